@@ -1,0 +1,110 @@
+"""Thresholds of the built-in diagnoses: one typed, validated config with documented defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from graddebug.errors import ConfigError, close_matches
+
+__all__ = ["Thresholds"]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Where each built-in diagnosis starts to fire. All values must be finite and positive.
+
+    The README's diagnosis table explains each default and where it comes from.
+
+    Attributes:
+        vanishing_ratio: Vanishing when ``norm(first layer) / norm(last layer)`` falls below this
+            (AUTOTRAINER's depth ratio, 1e-3) ...
+        vanishing_first: ... and the first layer's norm is also below this (AUTOTRAINER, 1e-4).
+        vanishing_floor: Vanishing when a layer's median norm over steps is positive but below
+            this (the TorchLens/DeepDiagnosis absolute rule, 1e-7).
+        exploding_norm: Exploding when a gradient norm exceeds this (TorchLens, 1e4).
+        exploding_ratio: Exploding when ``norm(first) / norm(last)`` exceeds this
+            (AUTOTRAINER, 70).
+        growth_factor: Exploding when the smoothed total gradient norm grows by more than this
+            factor from the first window of steps to a later one (100).
+        growth_window: Steps per smoothing window for the growth rule; the rule needs at least
+            two windows of recorded steps (5).
+        dead_fraction: Dead when at least this fraction of a layer's units (features or
+            channels) got an all-zero gradient over the whole batch, in the median step
+            (AUTOTRAINER's gamma, 0.7).
+    """
+
+    vanishing_ratio: float = 1e-3
+    vanishing_first: float = 1e-4
+    vanishing_floor: float = 1e-7
+    exploding_norm: float = 1e4
+    exploding_ratio: float = 70.0
+    growth_factor: float = 100.0
+    growth_window: int = 5
+    dead_fraction: float = 0.7
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(
+                    f"threshold {field.name}={value!r} must be a number, "
+                    f"for example {field.default!r}."
+                )
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(
+                    f"threshold {field.name}={value!r} must be finite and positive; "
+                    f"the default is {field.default!r}."
+                )
+        if self.dead_fraction > 1:
+            raise ConfigError(
+                f"threshold dead_fraction={self.dead_fraction!r} is a fraction of units and "
+                "must lie in (0, 1]; the default is 0.7."
+            )
+        if not isinstance(self.growth_window, int):
+            raise ConfigError(
+                f"threshold growth_window={self.growth_window!r} counts steps and must be an int."
+            )
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Return the names of every threshold, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def replace(self, **changes: Any) -> Thresholds:
+        """Return a copy with some thresholds changed.
+
+        Raises:
+            ConfigError: A name is not a threshold, or a value is not usable.
+        """
+        for name in changes:
+            if name not in self.names():
+                raise ConfigError(
+                    f"unknown threshold {name!r}.{close_matches(name, self.names())} "
+                    f"Known thresholds: {', '.join(self.names())}."
+                )
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def coerce(cls, value: Thresholds | Mapping[str, Any] | None) -> Thresholds:
+        """Build thresholds from ``None`` (the defaults), a mapping, or a Thresholds.
+
+        Raises:
+            ConfigError: The value is of another type, or holds an unusable threshold.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, Thresholds):
+            return value
+        if isinstance(value, Mapping):
+            return cls().replace(**dict(value))
+        raise ConfigError(
+            f"thresholds={value!r} must be a graddebug.Thresholds or a dict of threshold values."
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        """Return the thresholds as a plain dict (for metadata and reports)."""
+        return {name: getattr(self, name) for name in self.names()}

@@ -1,0 +1,142 @@
+"""Build the documented DataFrames, once, from the Watcher's plain record buffers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from graddebug.records import (
+    EVENT_COLUMNS,
+    FINDING_COLUMNS,
+    RECORD_COLUMNS,
+    Event,
+    Finding,
+    Record,
+)
+
+__all__ = ["SUMMARY_COLUMNS", "event_frame", "finding_frame", "record_frame", "summary_frame"]
+
+_RECORD_DTYPES: dict[str, str] = {
+    "step": "int64",
+    "layer": "object",
+    "tensor": "object",
+    "kind": "object",
+    "depth": "int64",
+    "shape": "object",
+    "numel": "int64",
+    "norm": "float64",
+    "mean": "float64",
+    "std": "float64",
+    "absmax": "float64",
+    "zero_frac": "float64",
+    "nan": "bool",
+    "inf": "bool",
+    "pre_norm": "float64",
+}
+
+_FINDING_DTYPES: dict[str, str] = {
+    "step": "int64",
+    "layer": "object",
+    "tensor": "object",
+    "issue": "object",
+    "severity": "object",
+    "value": "float64",
+    "threshold": "float64",
+    "message": "object",
+}
+
+_EVENT_DTYPES: dict[str, str] = {
+    "step": "int64",
+    "layer": "object",
+    "tensor": "object",
+    "depth": "int64",
+    "event": "object",
+    "detail": "object",
+}
+
+SUMMARY_COLUMNS: tuple[str, ...] = (
+    "layer",
+    "tensor",
+    "kind",
+    "depth",
+    "steps",
+    "norm_median",
+    "norm_min",
+    "norm_max",
+    "norm_last",
+    "absmax_max",
+    "zero_frac_median",
+    "nonfinite_steps",
+    "issues",
+)
+
+
+def _typed(rows: Sequence[tuple[object, ...]], columns: Sequence[str],
+           dtypes: dict[str, str]) -> pd.DataFrame:
+    frame = pd.DataFrame.from_records(list(rows), columns=list(columns))
+    return frame.astype({c: dtypes[c] for c in columns})
+
+
+def record_frame(records: Sequence[Record]) -> pd.DataFrame:
+    """Return one row per (step, tensor), columns in contract order.
+
+    ``pre_norm`` is appended only when at least one intervention acted.
+    """
+    has_pre = any(not math.isnan(r.pre_norm) for r in records)
+    columns = (*RECORD_COLUMNS, "pre_norm") if has_pre else RECORD_COLUMNS
+    rows = records if has_pre else [r[:-1] for r in records]
+    return _typed(rows, columns, _RECORD_DTYPES)
+
+
+def event_frame(events: Sequence[Event]) -> pd.DataFrame:
+    """Return the structural events (no gradient, detached output, ...) as a DataFrame."""
+    return _typed(events, EVENT_COLUMNS, _EVENT_DTYPES)
+
+
+def finding_frame(findings: Sequence[Finding]) -> pd.DataFrame:
+    """Return the findings as a DataFrame ordered by step, severity and depth of discovery."""
+    order = {"error": 0, "warning": 1, "info": 2}
+    ranked = sorted(findings, key=lambda f: (f.step, order.get(f.severity, 3)))
+    return _typed(ranked, FINDING_COLUMNS, _FINDING_DTYPES)
+
+
+def summary_frame(records: pd.DataFrame, findings: pd.DataFrame) -> pd.DataFrame:
+    """Aggregate the record frame over steps: one row per (layer, tensor), in depth order.
+
+    Args:
+        records: A frame as returned by :func:`record_frame`.
+        findings: A frame as returned by :func:`finding_frame`.
+
+    Returns:
+        A frame with :data:`SUMMARY_COLUMNS`; ``issues`` lists the distinct findings of the
+        layer, comma-separated.
+    """
+    if records.empty:
+        return pd.DataFrame({c: pd.Series(dtype="object") for c in SUMMARY_COLUMNS})
+    keys = ["layer", "tensor", "kind"]
+    nonfinite = records["nan"] | records["inf"]
+    grouped = records.assign(_nonfinite=nonfinite).groupby(keys, sort=False)
+    out = grouped.agg(
+        depth=("depth", "first"),
+        steps=("step", "nunique"),
+        norm_median=("norm", "median"),
+        norm_min=("norm", "min"),
+        norm_max=("norm", "max"),
+        norm_last=("norm", "last"),
+        absmax_max=("absmax", "max"),
+        zero_frac_median=("zero_frac", "median"),
+        nonfinite_steps=("_nonfinite", "sum"),
+    ).reset_index()
+    issues: dict[str, list[str]] = {}
+    for layer, issue in zip(findings["layer"], findings["issue"], strict=True):
+        bucket = issues.setdefault(layer, [])
+        if issue not in bucket:
+            bucket.append(issue)
+    out["issues"] = [", ".join(issues.get(layer, ())) for layer in out["layer"]]
+    out["nonfinite_steps"] = out["nonfinite_steps"].astype("int64")
+    kind_rank = np.where(out["kind"] == "activation", 0, 1)
+    out = out.assign(_rank=kind_rank).sort_values(["depth", "_rank", "tensor"], kind="stable")
+    return out.drop(columns="_rank").reset_index(drop=True)[list(SUMMARY_COLUMNS)]

@@ -1,0 +1,57 @@
+"""Every hook graddebug calls, in one place. Plugins implement them with ``@graddebug.hookimpl``.
+
+Built-in detectors and adapters are plugins like any other; a third party can add an adapter
+(for JAX, say) or a detector by shipping a package with an entry point in the ``graddebug``
+group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from graddebug.adapter import AdapterFactory
+    from graddebug.config import Thresholds
+    from graddebug.detectors import Evidence
+    from graddebug.records import Finding
+
+__all__ = ["hookimpl", "hookspec"]
+
+hookspec = pluggy.HookspecMarker("graddebug")
+hookimpl = pluggy.HookimplMarker("graddebug")
+
+
+@hookspec(firstresult=True)
+def graddebug_adapter(target: object) -> AdapterFactory | None:
+    """Claim an object to watch: a model, a tensor or a variable.
+
+    Implemented by framework adapters (``graddebug_torch``, ``graddebug_tensorflow``). An
+    implementation must decide by type without importing a framework the user has not imported:
+    look the framework up in ``sys.modules`` and return None when it is absent.
+
+    Args:
+        target: The model given to ``watch``, else the first value of ``params=``, else the
+            first tensor given to ``tap``.
+
+    Returns:
+        A callable that builds the adapter (see :class:`graddebug.adapter.AdapterFactory`), or
+        None to let another plugin answer. The first non-None answer wins.
+    """
+
+
+@hookspec
+def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
+    """Diagnose recorded gradients.
+
+    Implemented by each detector (``graddebug.detectors.*``) and by third-party detectors.
+    Called when ``Watcher.findings()`` needs fresh results, never from a training hook.
+
+    Args:
+        evidence: The record frame, the structural events, and helpers to order layers.
+        thresholds: The run's thresholds.
+
+    Returns:
+        The findings this detector sees; an empty list when the gradients look healthy.
+    """

@@ -1,0 +1,142 @@
+"""The record schema: what adapters hand to the core, and what the diagnoses hand back.
+
+Adapters append :class:`Record` rows (one per step and tensor) and :class:`Event` rows
+(structural facts, such as "this parameter got no gradient") to the Watcher's buffer. Detectors
+turn them into :class:`Finding` rows. The DataFrames in :mod:`graddebug.frames` are built once
+from these plain tuples.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+__all__ = [
+    "EVENT_COLUMNS",
+    "FINDING_COLUMNS",
+    "RECORD_COLUMNS",
+    "Event",
+    "EventKind",
+    "Finding",
+    "Issue",
+    "Record",
+    "Severity",
+]
+
+
+class Record(NamedTuple):
+    """Statistics of one gradient tensor at one recorded step.
+
+    Attributes:
+        step: Index of the step, counted from 0 by ``Watcher.step()``.
+        layer: Torch qualified module name, Keras layer name, tap name, or ``params=`` key.
+        tensor: ``"output"`` (``"output.0"``, ``"output.key"`` for tuple or dict outputs) for an
+            activation gradient; the parameter's short name (``"weight"``) for a parameter.
+        kind: ``"activation"`` or ``"parameter"``.
+        depth: Forward-order index of the layer (-1 when the layer never ran forward).
+        shape: The gradient's shape, as ``str(tuple)``.
+        numel: Number of elements.
+        norm: L2 norm.
+        mean: Mean entry (NaN where not measured, see the README).
+        std: Population standard deviation of the entries (NaN where not measured).
+        absmax: Largest absolute entry (NaN where not measured).
+        zero_frac: Fraction of units (features or channels) whose gradient is zero over the
+            whole batch (NaN where the tensor has no unit axis or it was not measured).
+        nan: The gradient holds at least one NaN.
+        inf: The gradient holds at least one +-Inf (reported as False when NaN is also present
+            and the adapter cannot tell).
+        pre_norm: L2 norm before an intervention; NaN where none acted.
+    """
+
+    step: int
+    layer: str
+    tensor: str
+    kind: str
+    depth: int
+    shape: str
+    numel: int
+    norm: float
+    mean: float
+    std: float
+    absmax: float
+    zero_frac: float
+    nan: bool
+    inf: bool
+    pre_norm: float = float("nan")
+
+
+RECORD_COLUMNS: tuple[str, ...] = Record._fields[:-1]
+"""The frame's columns in contract order; ``pre_norm`` follows only where an intervention acted."""
+
+
+class EventKind(str, Enum):
+    """Structural facts an adapter observes, that statistics alone cannot show."""
+
+    NO_GRAD = "no_grad"
+    """A parameter that requires a gradient got none when the step closed."""
+    DETACHED_OUTPUT = "detached_output"
+    """A layer's output does not require a gradient although one of its inputs does."""
+    UNREACHED = "unreached"
+    """A layer's output required a gradient in forward, but no gradient reached it."""
+    FORWARD_NONFINITE = "forward_nonfinite"
+    """A layer's output held NaN or Inf in the forward pass."""
+
+
+class Event(NamedTuple):
+    """One structural fact about one tensor at one step."""
+
+    step: int
+    layer: str
+    tensor: str
+    depth: int
+    event: str
+    detail: str = ""
+
+
+EVENT_COLUMNS: tuple[str, ...] = Event._fields
+
+
+class Issue(str, Enum):
+    """What a finding is about."""
+
+    VANISHING = "vanishing"
+    EXPLODING = "exploding"
+    NONFINITE = "nonfinite"
+    CUT_GRAPH = "cut_graph"
+    DEAD = "dead"
+    INTERNAL_ERROR = "internal_error"
+
+
+class Severity(str, Enum):
+    """How bad a finding is. ``error`` findings make ``graddebug report`` exit with 1."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class Finding(NamedTuple):
+    """One diagnosis.
+
+    Attributes:
+        step: First step at which the problem was seen.
+        layer: The guilty layer (or tap, or parameter owner).
+        tensor: The tensor within the layer (``"output"``, ``"weight"``, ...); ``""`` if none.
+        issue: An :class:`Issue` value (plugins may add others).
+        severity: A :class:`Severity` value.
+        value: The measured value the threshold was compared with (NaN if none applies).
+        threshold: The threshold it crossed (NaN if none applies).
+        message: A sentence that names the layer and says what to try.
+    """
+
+    step: int
+    layer: str
+    tensor: str
+    issue: str
+    severity: str
+    value: float
+    threshold: float
+    message: str
+
+
+FINDING_COLUMNS: tuple[str, ...] = Finding._fields

@@ -1,0 +1,425 @@
+"""The Watcher: a context manager that owns one capture session and its record buffer."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+import pluggy
+
+from graddebug.adapter import Adapter, StepResult, WatchOptions
+from graddebug.config import Thresholds
+from graddebug.detectors import Evidence
+from graddebug.errors import (
+    ConfigError,
+    GradDebugInternalError,
+    GradDebugWarning,
+    NoAdapterError,
+    UnknownNameError,
+    WatcherStateError,
+    close_matches,
+)
+from graddebug.frames import event_frame, finding_frame, record_frame, summary_frame
+from graddebug.interventions import Intervention, parse_interventions
+from graddebug.plugins import get_plugin_manager
+from graddebug.records import Event, Finding, Issue, Record, Severity
+
+__all__ = ["Watcher", "watch"]
+
+# Frameworks graddebug knows how to serve, by top-level module: adapter name and install hint.
+_KNOWN_FRAMEWORKS: dict[str, tuple[str, str]] = {
+    "torch": ("torch", "pip install graddebug[torch]"),
+    "tensorflow": ("tensorflow", "pip install graddebug[tensorflow]"),
+    "keras": ("tensorflow", "pip install graddebug[tensorflow]"),
+}
+
+
+class Watcher:
+    """Captures gradients of a model, of named tensors, or of taps, and diagnoses them.
+
+    Use it as a context manager; see :func:`watch` for the options. Everything it installed is
+    removed when the ``with`` block ends, also when the block raised.
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        params: Mapping[str, Any] | None = None,
+        layers: Sequence[Any] | str | type | None = None,
+        keep: Sequence[str] | str | None = None,
+        intervene: Mapping[str, Any] | None = None,
+        every: int = 1,
+        outputs: bool = True,
+        param_stats: Literal["norm", "full"] = "norm",
+        thresholds: Thresholds | Mapping[str, float] | None = None,
+        strict: bool = False,
+        plugin_manager: pluggy.PluginManager | None = None,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"every={every!r} must be a positive int (1 records every step).")
+        if param_stats not in ("norm", "full"):
+            raise ConfigError(f"param_stats={param_stats!r} must be 'norm' or 'full'.")
+        if params is not None and not isinstance(params, Mapping):
+            raise ConfigError(
+                f"params={params!r} must map names to tensors or variables, "
+                'for example params={"W": W, "b": b}.'
+            )
+        if params is not None and not params:
+            raise ConfigError("params={} is empty; pass at least one tensor, or leave it out.")
+        self.thresholds = Thresholds.coerce(thresholds)
+        self.strict = strict
+        self.every = every
+        self._model = model
+        self._params = params
+        self._options = WatchOptions(
+            layers=_as_list(layers),
+            keep=frozenset(_as_list(keep) or ()),
+            intervene=parse_interventions(intervene),
+            outputs=outputs,
+            param_stats=param_stats,
+        )
+        self._pm = plugin_manager or get_plugin_manager()
+        self._adapter: Adapter | None = None
+        self._active = False
+        self._step = 0
+        self._records: list[Record] = []
+        self._events: list[Event] = []
+        self._internal: list[Finding] = []
+        self._kept: dict[int, dict[str, np.ndarray]] = {}
+        self._warned = False
+        self._cache: dict[str, pd.DataFrame] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> Watcher:
+        if self._active:
+            raise WatcherStateError("this Watcher is already active; use one `with` per Watcher.")
+        target = self._model
+        if target is None and self._params is not None:
+            target = next(iter(self._params.values()))
+        if target is not None:
+            self._adapter = self._build_adapter(target)
+            self._adapter.attach()
+        self._active = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        adapter = self._adapter
+        try:
+            if adapter is not None and adapter.has_pending():
+                # A run that ends (or crashes) mid-step keeps what it captured.
+                self._close(None)
+        finally:
+            self._active = False
+            if adapter is not None:
+                adapter.detach()
+        if exc_type is None:
+            self._check_unmatched()
+
+    def _build_adapter(self, target: object) -> Adapter:
+        factory = self._pm.hook.graddebug_adapter(target=target)
+        if factory is None:
+            raise NoAdapterError(self._no_adapter_message(target))
+        adapter: Adapter = factory(self, self._model, self._params, self._options)
+        return adapter
+
+    def _no_adapter_message(self, target: object) -> str:
+        cls = type(target)
+        installed = sorted(
+            {impl.plugin_name for impl in self._pm.hook.graddebug_adapter.get_hookimpls()}
+        )
+        missing = sorted(
+            {hint for name, hint in _KNOWN_FRAMEWORKS.values() if name not in installed}
+        )
+        root = cls.__module__.split(".", 1)[0]
+        lines = [
+            f"graddebug cannot watch an object of type {cls.__module__}.{cls.__qualname__}: "
+            "no installed adapter claims it.",
+            f"Installed adapters: {', '.join(installed) or 'none'}.",
+        ]
+        if root in _KNOWN_FRAMEWORKS and _KNOWN_FRAMEWORKS[root][0] not in installed:
+            lines.append(f"To watch {root} models: {_KNOWN_FRAMEWORKS[root][1]}")
+        elif missing:
+            lines.append("Adapters that are not installed: " + "; ".join(missing) + ".")
+        lines.append(
+            "Pass a model (torch.nn.Module, keras.Model), params={name: tensor}, "
+            "or use watch() with tap(tensor, name)."
+        )
+        return "\n".join(lines)
+
+    def _check_unmatched(self) -> None:
+        wanted = set(self._options.keep) | set(self._options.intervene)
+        if not wanted:
+            return
+        adapter = self._adapter
+        matched = adapter.matched_names() if adapter is not None else set()
+        known = adapter.known_names() if adapter is not None else []
+        unmatched = sorted(wanted - matched)
+        if unmatched:
+            details = "; ".join(f"{n!r}{close_matches(n, known)}" for n in unmatched)
+            raise UnknownNameError(
+                f"keep=/intervene= names matched no layer and no tap during the run: {details} "
+                f"Known names: {', '.join(known[:20]) or 'none'}."
+            )
+
+    # -- what adapters see ----------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Whether the ``with`` block is running."""
+        return self._active
+
+    @property
+    def recording(self) -> bool:
+        """Whether the open step is recorded (``every=N`` records steps 0, N, 2N, ...)."""
+        return self._active and self._step % self.every == 0
+
+    @property
+    def step_index(self) -> int:
+        """Index of the open step, counted from 0."""
+        return self._step
+
+    def internal_error(self, exc: BaseException, where: str) -> None:
+        """Record a bug caught inside a graddebug hook, or raise it when ``strict=True``.
+
+        Args:
+            exc: The exception the hook caught.
+            where: Which hook or layer it happened in.
+
+        Raises:
+            GradDebugInternalError: ``strict=True`` was given.
+        """
+        if self.strict:
+            raise GradDebugInternalError(f"graddebug hook failed in {where}: {exc!r}") from exc
+        self._internal.append(
+            Finding(
+                step=self._step,
+                layer=where,
+                tensor="",
+                issue=Issue.INTERNAL_ERROR.value,
+                severity=Severity.WARNING.value,
+                value=math.nan,
+                threshold=math.nan,
+                message=(
+                    f"graddebug failed inside its hook for {where!r} ({type(exc).__name__}: "
+                    f"{exc}); training went on untouched but this step's records may be "
+                    "incomplete. Please report it; strict=True raises instead."
+                ),
+            )
+        )
+        self._cache.clear()
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"graddebug: internal error in {where!r}: {exc!r}. Recorded as an "
+                "'internal_error' finding; training continues.",
+                GradDebugWarning,
+                stacklevel=2,
+            )
+
+    # -- the user's calls -------------------------------------------------------------------
+
+    def step(self, grads: Sequence[Any] | None = None) -> None:
+        """Close the current step: record parameter gradients and move to the next step.
+
+        Call it once per optimizer step, after ``backward()`` (before or after
+        ``optimizer.step()``; before ``zero_grad()``).
+
+        Args:
+            grads: Parameter gradients in the order of the watched parameters, for frameworks
+                that do not store them on the parameters (TensorFlow). Torch reads ``p.grad``.
+
+        Raises:
+            WatcherStateError: Called outside the ``with`` block.
+        """
+        if not self._active:
+            raise WatcherStateError(
+                "step() was called outside the `with graddebug.watch(...)` block; "
+                "call it inside the block, once per optimizer step."
+            )
+        self._close(grads)
+
+    def _close(self, grads: Sequence[Any] | None) -> None:
+        adapter = self._adapter
+        if adapter is not None:
+            result = adapter.close_step(self._step, grads, record=self.recording)
+            if self.recording:
+                self._absorb(result)
+        self._step += 1
+
+    def _absorb(self, result: StepResult) -> None:
+        self._records.extend(sorted(result.records, key=_row_order))
+        self._events.extend(result.events)
+        if result.kept:
+            self._kept[self._step] = result.kept
+        self._cache.clear()
+
+    def tap(
+        self,
+        tensor: Any,
+        name: str,
+        *,
+        clip_value: float | None = None,
+        clip_norm: float | None = None,
+        mask: Any = None,
+        scale: float | None = None,
+    ) -> Any:
+        """Record the gradient that reaches ``tensor`` under ``name``, optionally altering it.
+
+        Interventions given here take precedence over ``intervene={name: ...}``. They apply in
+        the order mask, scale, clip by value, clip by norm.
+
+        Args:
+            tensor: Any tensor of a supported framework that takes part in the loss.
+            name: The ``layer`` value of its rows.
+            clip_value: Clamp gradient entries to ``[-clip_value, clip_value]``.
+            clip_norm: Rescale the gradient to an L2 norm of at most ``clip_norm``.
+            mask: Boolean/0-1 tensor broadcasting to the gradient, or ``grad -> grad``.
+            scale: Multiply the gradient by this factor.
+
+        Returns:
+            The tensor to use downstream.
+
+        Raises:
+            WatcherStateError: Called outside the ``with`` block.
+            MaskShapeError: ``mask`` does not broadcast to the tensor.
+        """
+        if not self._active:
+            raise WatcherStateError(
+                f"tap(..., {name!r}) was called outside the `with graddebug.watch(...)` block."
+            )
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"tap name {name!r} must be a non-empty string.")
+        given = Intervention(clip_value=clip_value, clip_norm=clip_norm, mask=mask, scale=scale)
+        intervention = given if given.active else self._options.intervene.get(name)
+        if self._adapter is None:
+            self._adapter = self._build_adapter(tensor)
+            self._adapter.attach()
+        return self._adapter.tap(tensor, name, intervention)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def frame(self) -> pd.DataFrame:
+        """Return one row per (step, tensor): the statistics of every recorded gradient.
+
+        Columns, in order: ``step, layer, tensor, kind, depth, shape, numel, norm, mean, std,
+        absmax, zero_frac, nan, inf``, plus ``pre_norm`` where an intervention acted.
+        """
+        if "frame" not in self._cache:
+            self._cache["frame"] = record_frame(self._records)
+        return self._cache["frame"]
+
+    def events(self) -> pd.DataFrame:
+        """Return the structural events: parameters with no gradient, detached outputs, layers
+        no gradient reached, outputs that were non-finite in forward."""
+        if "events" not in self._cache:
+            self._cache["events"] = event_frame(self._events)
+        return self._cache["events"]
+
+    def findings(self) -> pd.DataFrame:
+        """Return one row per diagnosis: ``step, layer, tensor, issue, severity, value,
+        threshold, message``. Empty for a healthy model."""
+        if "findings" not in self._cache:
+            evidence = Evidence(records=self.frame(), events=self.events())
+            found: list[Finding] = list(self._internal)
+            for batch in self._pm.hook.graddebug_findings(
+                evidence=evidence, thresholds=self.thresholds
+            ):
+                found.extend(batch)
+            self._cache["findings"] = finding_frame(found)
+        return self._cache["findings"]
+
+    def summary(self) -> pd.DataFrame:
+        """Return the per-layer aggregate over recorded steps, in depth order."""
+        if "summary" not in self._cache:
+            self._cache["summary"] = summary_frame(self.frame(), self.findings())
+        return self._cache["summary"]
+
+    def tensors(self, step: int | None = None) -> dict[str, np.ndarray]:
+        """Return the full gradients kept by ``keep=`` at one step.
+
+        Keys are the layer name for a layer output (``"fc1"``), ``"fc1.output.0"`` for parts of
+        tuple outputs, ``"fc1.weight"`` for parameters; a layer called several times in a step
+        adds ``"fc1#1"``, ``"fc1#2"``, ...
+
+        Args:
+            step: A recorded step; None for the latest step that kept anything.
+
+        Raises:
+            WatcherStateError: Nothing was kept (``keep=`` was not given or matched nothing).
+            KeyError: ``step`` kept nothing.
+        """
+        if not self._kept:
+            raise WatcherStateError(
+                "no gradients were kept; pass keep=['layer', ...] to watch() to keep them."
+            )
+        if step is None:
+            step = max(self._kept)
+        if step not in self._kept:
+            raise KeyError(f"step {step!r} kept no gradients; steps that did: {sorted(self._kept)}")
+        return dict(self._kept[step])
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "inactive"
+        adapter = self._adapter.name if self._adapter is not None else "none"
+        return (
+            f"<Watcher {state} adapter={adapter} step={self._step} records={len(self._records)}>"
+        )
+
+
+def _row_order(record: Record) -> tuple[bool, float, str, str]:
+    """Within a step: activations, then parameters; each in forward order."""
+    depth = record.depth if record.depth >= 0 else math.inf
+    return (record.kind != "activation", depth, record.layer, record.tensor)
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, type)):
+        return [value]
+    return list(value)
+
+
+def watch(model: Any = None, **options: Any) -> Watcher:
+    """Watch the gradients of a model, of named tensors, or of tapped tensors.
+
+    ``with graddebug.watch(model) as dbg:`` around an existing training loop, with ``dbg.step()``
+    after each optimizer step, records gradient statistics of every leaf layer's output and of
+    every parameter.
+
+    Args:
+        model: A ``torch.nn.Module`` or a Keras model; None with ``params=`` or for taps only.
+        **options: Keyword options of :class:`Watcher`:
+
+            - ``params``: ``{"W": W, ...}`` tensors or variables recorded as parameters.
+            - ``layers``: names, globs (``"encoder.*"``) or layer types to capture.
+            - ``keep``: layer or tap names whose full gradients are kept as numpy arrays.
+            - ``intervene``: ``{name: {"clip_norm": 1.0, "clip_value":, "mask":, "scale":}}``.
+            - ``every``: record one step in ``every``.
+            - ``outputs``: False records parameters only.
+            - ``param_stats``: ``"norm"`` (default) or ``"full"`` for parameter statistics.
+            - ``thresholds``: a :class:`Thresholds` or a dict of threshold overrides.
+            - ``strict``: raise on a bug inside a hook instead of recording it.
+            - ``plugin_manager``: use this pluggy manager instead of the default one.
+
+    Returns:
+        A :class:`Watcher`, to be entered with ``with``.
+
+    Raises:
+        ConfigError: An option has an unusable value.
+        NoAdapterError: (on entering) no installed adapter claims ``model``.
+        UnknownNameError: (on entering) a ``layers=`` name matches no layer.
+    """
+    return Watcher(model, **options)
