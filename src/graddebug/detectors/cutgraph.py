@@ -1,0 +1,117 @@
+"""Cut graphs: where gradient stops flowing (detach, stop_gradient, a numpy round trip)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from graddebug.config import Thresholds
+from graddebug.detectors import Evidence, as_int
+from graddebug.hookspecs import hookimpl
+from graddebug.records import EventKind, Finding, Issue, Severity
+
+_CAUSES = "a .detach(), tf.stop_gradient, a numpy round trip (.numpy()/np.asarray), or no_grad"
+
+
+@hookimpl
+def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
+    """Name detached outputs, the boundary below which no gradient arrives, and starved
+    parameters."""
+    events = evidence.events
+    if events.empty:
+        return []
+    findings = _detached(events)
+    findings += _boundaries(evidence)
+    findings += _starved(events)
+    return findings
+
+
+def _first_per_layer(rows: pd.DataFrame) -> pd.DataFrame:
+    return rows.sort_values(["step", "depth"], kind="stable").drop_duplicates("layer")
+
+
+def _detached(events: pd.DataFrame) -> list[Finding]:
+    rows = _first_per_layer(events[events["event"] == EventKind.DETACHED_OUTPUT.value])
+    return [
+        Finding(
+            step=as_int(row.step),
+            layer=str(row.layer),
+            tensor=str(row.tensor),
+            issue=Issue.CUT_GRAPH.value,
+            severity=Severity.ERROR.value,
+            value=math.nan,
+            threshold=math.nan,
+            message=(
+                f"gradient stops at {row.layer!r}: its input requires a gradient but its output "
+                f"does not, so nothing upstream of it learns. Look for {_CAUSES} inside it."
+            ),
+        )
+        for row in rows.itertuples()
+    ]
+
+
+def _boundaries(evidence: Evidence) -> list[Finding]:
+    events = evidence.events
+    unreached = events[events["event"] == EventKind.UNREACHED.value]
+    detached = events[events["event"] == EventKind.DETACHED_OUTPUT.value]
+    if unreached.empty:
+        return []
+    records = evidence.records
+    reached = records[(records["kind"] == "activation") & (records["depth"] >= 0)]
+    found: dict[str, Finding] = {}
+    for step, lost in unreached.groupby("step", sort=True):
+        got = reached[reached["step"] == step]
+        if got.empty:
+            continue
+        first = got.sort_values("depth", kind="stable").iloc[0]
+        upstream = lost[(lost["depth"] >= 0) & (lost["depth"] < first["depth"])]
+        if upstream.empty:
+            continue  # unused branches downstream of the first reached layer are not cuts
+        last_lost = upstream.sort_values("depth", kind="stable").iloc[-1]
+        cut_here = detached[
+            (detached["step"] == step)
+            & detached["depth"].between(last_lost["depth"], first["depth"])
+        ]
+        if not cut_here.empty or first["layer"] in found:
+            continue  # a detached output between them explains this cut better
+        found[first["layer"]] = Finding(
+            step=as_int(step),
+            layer=str(first["layer"]),
+            tensor="",
+            issue=Issue.CUT_GRAPH.value,
+            severity=Severity.ERROR.value,
+            value=math.nan,
+            threshold=math.nan,
+            message=(
+                f"gradient stops between {last_lost['layer']!r} and {first['layer']!r}: "
+                f"{first['layer']}'s input is detached, so {len(upstream)} layer(s) upstream "
+                f"get no gradient. Look for {_CAUSES} between them."
+            ),
+        )
+    return list(found.values())
+
+
+def _starved(events: pd.DataFrame) -> list[Finding]:
+    rows = events[events["event"] == EventKind.NO_GRAD.value]
+    out = []
+    for layer, group in rows.groupby("layer", sort=False):
+        names = ", ".join(dict.fromkeys(group["tensor"]))
+        out.append(
+            Finding(
+                step=int(group["step"].min()),
+                layer=str(layer),
+                tensor=str(group["tensor"].iloc[0]),
+                issue=Issue.CUT_GRAPH.value,
+                severity=Severity.WARNING.value,
+                value=math.nan,
+                threshold=math.nan,
+                message=(
+                    f"parameters {names} of {layer!r} require a gradient but got none in "
+                    f"{group['step'].nunique()} step(s): they sit upstream of a cut or the loss "
+                    "does not use them. If they are unused on purpose, freeze them "
+                    "(requires_grad_(False) / trainable=False)."
+                ),
+            )
+        )
+    return out

@@ -1,0 +1,99 @@
+"""NaN/Inf gradients, traced to the layer where they were born."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from graddebug.config import Thresholds
+from graddebug.detectors import Evidence
+from graddebug.hookspecs import hookimpl
+from graddebug.records import EventKind, Finding, Issue, Severity
+
+_FORWARD_ADVICE = (
+    "Look for log/sqrt/pow/division of non-positive or zero values, or overflow, in its "
+    "forward; clamp the input (e.g. x.clamp_min(1e-8)) or use a stable formulation "
+    "(log_softmax, logsumexp)."
+)
+_BACKWARD_ADVICE = (
+    "Its forward values were finite, so a derivative blew up: look for sqrt, pow or division "
+    "at 0 (d/dx sqrt(x) is inf at 0) and add an epsilon, or clip gradients."
+)
+
+
+@hookimpl
+def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
+    """Name the layer where NaN/Inf first appears, in forward order or else backward order."""
+    records, events = evidence.records, evidence.events
+    bad_rows = records[records["nan"] | records["inf"]] if not records.empty else records
+    forward = events[events["event"] == EventKind.FORWARD_NONFINITE.value]
+    steps = sorted(set(bad_rows["step"]) | set(forward["step"]))
+    # Only the first broken step has a meaningful origin: once an optimizer applies a NaN
+    # update, every later step is NaN everywhere.
+    for step in steps:
+        finding = _origin(int(step), bad_rows[bad_rows["step"] == step],
+                          forward[forward["step"] == step], records[records["step"] == step])
+        if finding is not None:
+            later = len(steps) - 1
+            if later:
+                finding = finding._replace(
+                    message=f"{finding.message} {later} later step(s) were non-finite too."
+                )
+            return [finding]
+    return []
+
+
+def _what(rows: pd.DataFrame) -> str:
+    nan, inf = bool(rows["nan"].any()), bool(rows["inf"].any())
+    return "NaN and Inf" if nan and inf else "Inf" if inf else "NaN"
+
+
+def _origin(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
+            step_rows: pd.DataFrame) -> Finding | None:
+    if not forward.empty:
+        first = forward.sort_values("depth", kind="stable").iloc[0]
+        return Finding(
+            step=step,
+            layer=str(first["layer"]),
+            tensor=str(first["tensor"]),
+            issue=Issue.NONFINITE.value,
+            severity=Severity.ERROR.value,
+            value=math.nan,
+            threshold=math.nan,
+            message=(
+                f"{first['layer']!r} is the first layer whose output held {first['detail']} in "
+                f"the forward pass (step {step}); every gradient behind it is poisoned. "
+                f"{_FORWARD_ADVICE}"
+            ),
+        )
+    if bad.empty:
+        return None
+    kind = "activation" if (bad["kind"] == "activation").any() else "parameter"
+    ordered = step_rows[step_rows["kind"] == kind].sort_values("depth", ascending=False,
+                                                               kind="stable")
+    previous = None
+    for row in ordered.itertuples():
+        if row.nan or row.inf:
+            where = f"the output of {row.layer!r}" if kind == "activation" else repr(row.layer)
+            after = (
+                f"while {previous!r}, just downstream, was finite: the backward of {previous!r} "
+                "produced it. "
+                if previous is not None
+                else "at the layer closest to the loss: check the loss itself. "
+            )
+            return Finding(
+                step=step,
+                layer=str(row.layer),
+                tensor=str(row.tensor),
+                issue=Issue.NONFINITE.value,
+                severity=Severity.ERROR.value,
+                value=math.nan,
+                threshold=math.nan,
+                message=(
+                    f"gradient first becomes {_what(bad)} at {where} (step {step}), {after}"
+                    f"{_BACKWARD_ADVICE}"
+                ),
+            )
+        previous = row.layer
+    return None
