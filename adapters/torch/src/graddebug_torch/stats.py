@@ -1,0 +1,71 @@
+"""Gradient statistics computed on the device, without host syncs or gradient-sized temporaries.
+
+An activation gradient costs four reductions: its L2 norm, its sum, and the per-unit max and
+min (one ``aminmax`` when the unit axis is last). The per-unit extremes give both ``absmax``
+and the count of dead units, which the ``dead`` detector needs. NaN propagates through
+``amax``/``amin``, so a NaN ``absmax`` marks a NaN gradient without counting entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from graddebug.interventions import Intervention
+
+__all__ = ["VEC", "activation_vector", "apply_intervention", "unit_absmax"]
+
+VEC = 4
+"""Length of an activation vector: norm, sum, absmax, dead-unit count."""
+
+_F32 = torch.float32
+
+
+def unit_absmax(grad: Tensor, unit_dim: int | None) -> Tensor | None:
+    """Per-unit max |g| over every axis but ``unit_dim``; None when there is no unit axis."""
+    if unit_dim is None or grad.dim() < 2:
+        return None
+    if unit_dim == grad.dim() - 1 and grad.is_contiguous():
+        low, high = torch.aminmax(grad.reshape(-1, grad.shape[-1]), dim=0)
+    else:
+        dims = [d for d in range(grad.dim()) if d != unit_dim]
+        high, low = torch.amax(grad, dim=dims), torch.amin(grad, dim=dims)
+    return torch.maximum(high, low.neg())
+
+
+def activation_vector(grad: Tensor, units: Tensor | None) -> Tensor:
+    """Return ``[norm, sum, absmax, dead units]`` as a float32 device tensor.
+
+    Args:
+        grad: The gradient (dense).
+        units: Its :func:`unit_absmax`, or None; then the dead count is NaN.
+    """
+    norm = torch.linalg.vector_norm(grad, dtype=_F32)
+    total = grad.sum(dtype=_F32)
+    if units is None:
+        low, high = torch.aminmax(grad)
+        absmax = torch.maximum(high, low.neg()).to(_F32)
+        return torch.stack([norm, total, absmax, torch.full_like(norm, float("nan"))])
+    absmax = units.max().to(_F32)
+    dead = (units == 0).sum().to(_F32)
+    return torch.stack([norm, total, absmax, dead])
+
+
+def apply_intervention(grad: Tensor, spec: Intervention) -> Tensor:
+    """Apply mask, scale, clip-by-value and clip-by-norm, in that order, out of place."""
+    out = grad
+    if spec.mask is not None:
+        if spec.mask_is_callable:
+            out = spec.mask(out)
+        else:
+            mask = spec.mask
+            out = torch.where(mask.to(dtype=torch.bool, device=out.device), out, 0)
+    if spec.scale is not None:
+        out = out * spec.scale
+    if spec.clip_value is not None:
+        out = out.clamp(-spec.clip_value, spec.clip_value)
+    if spec.clip_norm is not None:
+        norm = torch.linalg.vector_norm(out, dtype=_F32)
+        factor = (spec.clip_norm / norm).clamp(max=1.0).to(out.dtype)
+        out = out * factor
+    return out
