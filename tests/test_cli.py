@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+
+from graddebug import cli
+
+
+def test_demo_prints_vanishing_findings_and_the_summary(capsys) -> None:
+    pytest.importorskip("torch")
+    assert cli.main(["demo", "--steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "Findings" in out
+    assert "vanishing" in out
+    assert "Per-layer summary" in out
+    # the first layer (named "0" in the Sequential) is among those flagged
+    assert "gradient vanishes at '0'" in out
+
+
+def test_demo_rejects_a_non_positive_step_count(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "--steps", "0"])
+    assert info.value.code == 2
+    assert "positive" in capsys.readouterr().err
+
+
+def test_demo_findings_match_the_library(capsys) -> None:
+    pytest.importorskip("torch")
+    from graddebug.demo import run_demo
+
+    dbg = run_demo(steps=3)
+    found = dbg.findings()
+    assert set(found["issue"]) == {"vanishing"}
+    assert "0" in set(found["layer"])

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from graddebug import ConfigError, Thresholds
+
+
+def test_defaults_are_the_documented_anchor_values() -> None:
+    t = Thresholds()
+    assert (t.vanishing_ratio, t.vanishing_first, t.vanishing_floor) == (1e-3, 1e-4, 1e-7)
+    assert (t.exploding_norm, t.exploding_ratio) == (1e4, 70.0)
+    assert t.dead_fraction == 0.7
+
+
+@pytest.mark.parametrize("name", Thresholds.names())
+@pytest.mark.parametrize("bad", [-1.0, 0, math.nan, math.inf])
+def test_non_positive_or_non_finite_threshold_is_a_typed_error(name: str, bad: float) -> None:
+    with pytest.raises(ConfigError, match=name):
+        Thresholds(**{name: bad})
+
+
+def test_error_is_also_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        Thresholds(exploding_norm=-5)
+
+
+def test_dead_fraction_above_one_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="dead_fraction"):
+        Thresholds(dead_fraction=1.5)
+
+
+def test_unknown_threshold_name_suggests_the_close_one() -> None:
+    with pytest.raises(ConfigError, match="exploding_norm"):
+        Thresholds().replace(exploding_nrm=3.0)
+
+
+def test_coerce_accepts_mapping_and_rejects_other_types() -> None:
+    assert Thresholds.coerce({"exploding_ratio": 10}).exploding_ratio == 10
+    assert Thresholds.coerce(None) == Thresholds()
+    with pytest.raises(ConfigError):
+        Thresholds.coerce(3.0)  # type: ignore[arg-type]
+
+
+def test_as_dict_round_trips() -> None:
+    t = Thresholds(growth_factor=50.0)
+    assert Thresholds(**t.as_dict()) == t

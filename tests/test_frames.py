@@ -1,0 +1,56 @@
+"""The DataFrame contract: columns, dtypes, order; the summary."""
+
+from __future__ import annotations
+
+import math
+
+from conftest import make_record
+from graddebug.frames import SUMMARY_COLUMNS, finding_frame, record_frame, summary_frame
+from graddebug.records import RECORD_COLUMNS, Finding
+
+
+def test_record_frame_columns_and_dtypes() -> None:
+    frame = record_frame([make_record(0, "a", 0, 1.0)])
+    assert tuple(frame.columns) == RECORD_COLUMNS
+    assert frame["step"].dtype == "int64"
+    assert frame["norm"].dtype == "float64"
+    assert frame["nan"].dtype == bool
+
+
+def test_pre_norm_column_only_where_an_intervention_acted() -> None:
+    plain = make_record(0, "a", 0, 1.0)
+    clipped = make_record(0, "b", 1, 1.0)._replace(pre_norm=5.0)
+    assert "pre_norm" not in record_frame([plain]).columns
+    frame = record_frame([plain, clipped])
+    assert list(frame.columns)[-1] == "pre_norm"
+    assert math.isnan(frame["pre_norm"][0])
+    assert frame["pre_norm"][1] == 5.0
+
+
+def test_empty_frames_keep_their_columns() -> None:
+    assert tuple(record_frame([]).columns) == RECORD_COLUMNS
+    assert list(finding_frame([]).columns) == list(Finding._fields)
+    assert tuple(summary_frame(record_frame([]), finding_frame([])).columns) == SUMMARY_COLUMNS
+
+
+def test_summary_aggregates_per_layer_in_depth_order() -> None:
+    records = [make_record(s, name, depth, norm * (s + 1))
+               for s in range(3) for name, depth, norm in (("deep", 1, 2.0), ("first", 0, 1.0))]
+    records.append(make_record(1, "first", 0, math.nan, nan=True))
+    findings = finding_frame([Finding(0, "deep", "output", "dead", "warning", 0.9, 0.7, "m")])
+    summary = summary_frame(record_frame(records), findings)
+    assert list(summary["layer"]) == ["first", "deep"]
+    first = summary.iloc[0]
+    assert first["steps"] == 3
+    assert first["norm_min"] == 1.0
+    assert first["norm_max"] == 3.0
+    assert first["nonfinite_steps"] == 1
+    assert summary.iloc[1]["issues"] == "dead"
+    assert summary.iloc[1]["norm_last"] == 6.0
+
+
+def test_findings_are_ordered_by_step_then_severity() -> None:
+    rows = [Finding(1, "a", "", "dead", "warning", 0.0, 0.0, ""),
+            Finding(1, "b", "", "nonfinite", "error", 0.0, 0.0, ""),
+            Finding(0, "c", "", "vanishing", "warning", 0.0, 0.0, "")]
+    assert list(finding_frame(rows)["layer"]) == ["c", "b", "a"]
