@@ -25,7 +25,7 @@ from graddebug.errors import (
 )
 from graddebug.interventions import Intervention
 from graddebug.records import Event, EventKind, Record
-from graddebug_torch.stats import VEC, activation_vector, apply_intervention, unit_absmax
+from graddebug_torch.stats import activation_stats, apply_intervention, unit_absmax
 
 __all__ = ["TorchAdapter"]
 
@@ -94,7 +94,8 @@ class _Param:
 
 @dataclass
 class _Capture:
-    vec: Tensor
+    stats: tuple[Tensor, Tensor, Tensor]  # norm, sum, absmax
+    alive: Tensor | None  # count of units with a non-zero gradient
     units: Tensor | None
     shape: tuple[int, ...]
     pre_norm: Tensor | None
@@ -420,8 +421,10 @@ class TorchAdapter:
         if seen.is_sparse:
             seen = seen.coalesce().values()
         units = unit_absmax(seen, _unit_dim(seen.dim(), layer.channels_first))
+        stats, alive = activation_stats(seen, units)
         capture = _Capture(
-            vec=activation_vector(seen, units),
+            stats=stats,
+            alive=alive,
             units=units,
             shape=tuple(seen.shape),
             pre_norm=(
@@ -485,15 +488,23 @@ class TorchAdapter:
 
         # Everything goes into one flat device tensor, read in the same order below: a single
         # host sync for the whole step.
-        parts: list[Tensor] = []
-        for key in pooled:
-            units = torch.stack([c.units for c in state.captures[key] if c.units is not None])
-            parts.append((units.amax(0) == 0).sum().to(torch.float32))
+        floats: list[Tensor] = []
+        alive: list[Tensor] = []
         for calls in state.captures.values():
             for c in calls:
-                parts.append(c.vec)
+                floats.extend(c.stats)
                 if c.pre_norm is not None:
-                    parts.append(c.pre_norm)
+                    floats.append(c.pre_norm)
+                if c.alive is not None:
+                    alive.append(c.alive)
+        parts: list[Tensor] = []
+        if floats:
+            parts.append(torch.stack(floats))
+        if alive:
+            parts.append(torch.stack(alive).to(torch.float32))
+        for key in pooled:
+            units = torch.stack([c.units for c in state.captures[key] if c.units is not None])
+            parts.append(torch.count_nonzero(units.amax(0)).to(torch.float32))
         if dense:
             parts.append(torch.stack(torch._foreach_norm(dense)).to(torch.float32))
         if full:
@@ -504,15 +515,16 @@ class TorchAdapter:
         parts.extend(s for _, _, s in state.forward_sums)
         flat = _Cursor(_to_host(parts))
 
-        pooled_dead = {key: flat.take(1)[0] for key in pooled}
+        stats = {key: [(flat.take(3), flat.take(1)[0] if c.pre_norm is not None else None)
+                       for c in calls]
+                 for key, calls in state.captures.items()}
+        live = {key: [flat.take(1)[0] if c.alive is not None else None for c in calls]
+                for key, calls in state.captures.items()}
+        pooled_alive = {key: flat.take(1)[0] for key in pooled}
         for key, calls in state.captures.items():
-            vecs, pres = [], []
-            for c in calls:
-                vecs.append(flat.take(VEC))
-                if c.pre_norm is not None:
-                    pres.append(flat.take(1)[0])
+            count = live[key][0] if len(calls) == 1 else pooled_alive.get(key)
             result.records.append(
-                self._activation_record(step, key, calls, vecs, pres, pooled_dead.get(key))
+                self._activation_record(step, key, calls, stats[key], count)
             )
         norms = flat.take(len(dense))
         for (param, _), g, norm in zip(present, dense, norms, strict=True):
@@ -538,18 +550,19 @@ class TorchAdapter:
         return result
 
     def _activation_record(self, step: int, key: Key, calls: list[_Capture],
-                           vecs: list[list[float]], pres: list[float],
-                           pooled_dead: float | None) -> Record:
+                           stats: list[tuple[list[float], float | None]],
+                           alive: float | None) -> Record:
         first = calls[0]
-        dead = vecs[0][3] if len(calls) == 1 else pooled_dead
-        absmax = _nanmax(v[2] for v in vecs)
+        absmax = _nanmax(values[2] for values, _ in stats)
+        pres = [pre for _, pre in stats if pre is not None]
+        units = first.n_units
         return _record(
             step, key[0], key[1], "activation", self._layers[key[0]].depth, first.shape,
             numel=sum(math.prod(c.shape) for c in calls),
-            norm=math.sqrt(sum(v[0] ** 2 for v in vecs)),
-            total=sum(v[1] for v in vecs),
+            norm=math.sqrt(sum(values[0] ** 2 for values, _ in stats)),
+            total=sum(values[1] for values, _ in stats),
             absmax=absmax,
-            zero_frac=dead / first.n_units if dead is not None and first.n_units else math.nan,
+            zero_frac=(units - alive) / units if alive is not None and units else math.nan,
             nan=math.isnan(absmax),
             inf=math.isinf(absmax),
             pre_norm=math.sqrt(sum(p ** 2 for p in pres)) if pres else math.nan,

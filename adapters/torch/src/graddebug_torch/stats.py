@@ -13,10 +13,7 @@ from torch import Tensor
 
 from graddebug.interventions import Intervention
 
-__all__ = ["VEC", "activation_vector", "apply_intervention", "unit_absmax"]
-
-VEC = 4
-"""Length of an activation vector: norm, sum, absmax, dead-unit count."""
+__all__ = ["activation_stats", "apply_intervention", "unit_absmax"]
 
 _F32 = torch.float32
 
@@ -33,22 +30,28 @@ def unit_absmax(grad: Tensor, unit_dim: int | None) -> Tensor | None:
     return torch.maximum(high, low.neg())
 
 
-def activation_vector(grad: Tensor, units: Tensor | None) -> Tensor:
-    """Return ``[norm, sum, absmax, dead units]`` as a float32 device tensor.
+def activation_stats(grad: Tensor, units: Tensor | None
+                     ) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor | None]:
+    """Return ``(norm, sum, absmax)`` as float32 0-d device tensors, and the live-unit count.
+
+    Nothing is stacked here: the step's scalars are stacked once when it closes.
 
     Args:
         grad: The gradient (dense).
-        units: Its :func:`unit_absmax`, or None; then the dead count is NaN.
+        units: Its :func:`unit_absmax`, or None; then the live-unit count is None.
     """
     norm = torch.linalg.vector_norm(grad, dtype=_F32)
     total = grad.sum(dtype=_F32)
     if units is None:
         low, high = torch.aminmax(grad)
-        absmax = torch.maximum(high, low.neg()).to(_F32)
-        return torch.stack([norm, total, absmax, torch.full_like(norm, float("nan"))])
-    absmax = units.max().to(_F32)
-    dead = (units == 0).sum().to(_F32)
-    return torch.stack([norm, total, absmax, dead])
+        absmax = torch.maximum(high, low.neg())
+        alive = None
+    else:
+        absmax = units.max()
+        alive = torch.count_nonzero(units)
+    if absmax.dtype != _F32:
+        absmax = absmax.to(_F32)
+    return (norm, total, absmax), alive
 
 
 def apply_intervention(grad: Tensor, spec: Intervention) -> Tensor:
