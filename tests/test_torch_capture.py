@@ -372,3 +372,18 @@ def test_zero_frac_counts_dead_units_not_entries() -> None:
         dbg.step()
     row = dbg.frame().query("layer == '0' and tensor == 'output'")
     assert row["zero_frac"].item() == pytest.approx(4 / 6)
+
+
+def test_float64_models_are_captured_in_float64() -> None:
+    torch.manual_seed(0)
+    model = relu_mlp(depth=2, width=4).double()
+    x = torch.randn(3, 32, dtype=torch.float64)
+    names = leaf_names(model)
+    ref = reference(model, x, names)
+    dbg = captured(model, x, names)
+    assert dbg.findings().empty
+    frame = dbg.frame().set_index(["layer", "tensor"])
+    for key, expected in ref.items():
+        np.testing.assert_array_equal(dbg.tensors(0)[key], expected)
+        assert frame.loc[(key, "output"), "norm"] == pytest.approx(
+            np.linalg.norm(expected), rel=1e-12)

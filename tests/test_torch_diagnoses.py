@@ -209,3 +209,22 @@ def test_thresholds_option_silences_a_finding() -> None:
     dbg = watched_training(sigmoid_mlp(depth=12), batches(3, (32, 32)),
                            thresholds={"vanishing_ratio": 1e-12, "vanishing_floor": 1e-12})
     assert dbg.findings().empty
+
+
+def test_functional_code_cut_is_named_at_the_detached_tap() -> None:
+    x = torch.tensor([2.0, -1.0], requires_grad=True)
+    w = torch.tensor([0.5, 3.0], requires_grad=True)
+    with graddebug.watch(params={"x": x, "w": w}) as dbg:
+        u = dbg.tap(2 * x + 3, "u")
+        cut = dbg.tap(u.detach(), "u_detached")
+        y = dbg.tap(cut**3 * w, "y")
+        y.sum().backward()
+        dbg.step()
+    assert x.grad is None and w.grad is not None  # the cut, independently of graddebug
+    found = dbg.findings()
+    errors = found[found["severity"] == "error"]
+    assert list(errors["layer"]) == ["u_detached"]
+    assert "the tapped tensor does not require a gradient" in errors["message"].item()
+    starved = found[found["severity"] == "warning"]
+    assert list(starved["layer"]) == ["x"]
+    assert starved["message"].item().startswith("parameter 'x' requires a gradient")

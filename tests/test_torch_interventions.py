@@ -133,3 +133,15 @@ def test_mask_callable_returning_wrong_shape_raises() -> None:
         h = dbg.tap(x @ W + b, "h", mask=lambda g: g[:1])
         with pytest.raises(MaskShapeError, match="'h'"):
             (torch.tanh(h) - y0).square().mean().backward()
+
+
+def test_float64_tap_with_clip_norm() -> None:
+    W = torch.ones(2, 2, dtype=torch.float64, requires_grad=True)
+    x = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    with graddebug.watch(params={"W": W}) as dbg:
+        h = dbg.tap(x @ W, "h", clip_norm=0.1)
+        h.sum().backward()  # dL/dh = [[1, 1]], norm sqrt(2)
+        dbg.step()
+    clipped = np.array([[1.0, 1.0]]) * 0.1 / np.sqrt(2)
+    np.testing.assert_allclose(W.grad.numpy(), x.numpy().T @ clipped, rtol=1e-12)
+    assert dbg.findings().empty

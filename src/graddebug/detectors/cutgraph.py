@@ -43,12 +43,16 @@ def _detached(events: pd.DataFrame) -> list[Finding]:
             value=math.nan,
             threshold=math.nan,
             message=(
-                f"gradient stops at {row.layer!r}: its input requires a gradient but its output "
-                f"does not, so nothing upstream of it learns. Look for {_CAUSES} inside it."
+                f"gradient stops at {row.layer!r}: {_why(row.detail)}, so nothing upstream of "
+                f"it learns. Look for {_CAUSES} there."
             ),
         )
         for row in rows.itertuples()
     ]
+
+
+def _why(detail: object) -> str:
+    return str(detail) if detail else "its output needs no gradient"
 
 
 def _boundaries(evidence: Evidence) -> list[Finding]:
@@ -96,7 +100,13 @@ def _starved(events: pd.DataFrame) -> list[Finding]:
     rows = events[events["event"] == EventKind.NO_GRAD.value]
     out = []
     for layer, group in rows.groupby("layer", sort=False):
-        names = ", ".join(dict.fromkeys(group["tensor"]))
+        names = list(dict.fromkeys(group["tensor"]))
+        if len(names) == 1:
+            label = repr(layer) if names == [layer] else f"{names[0]} of {layer!r}"
+            what, verb, pronoun, them = f"parameter {label}", "requires", "it sits", "it"
+        else:
+            what = f"parameters {', '.join(names)} of {layer!r}"
+            verb, pronoun, them = "require", "they sit", "them"
         out.append(
             Finding(
                 step=int(group["step"].min()),
@@ -107,9 +117,9 @@ def _starved(events: pd.DataFrame) -> list[Finding]:
                 value=math.nan,
                 threshold=math.nan,
                 message=(
-                    f"parameters {names} of {layer!r} require a gradient but got none in "
-                    f"{group['step'].nunique()} step(s): they sit upstream of a cut or the loss "
-                    "does not use them. If they are unused on purpose, freeze them "
+                    f"{what} {verb} a gradient but got none in {group['step'].nunique()} "
+                    f"step(s): {pronoun} upstream of a cut or the loss does not use {them}. "
+                    f"If unused on purpose, freeze {them} "
                     "(requires_grad_(False) / trainable=False)."
                 ),
             )

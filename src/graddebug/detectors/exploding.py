@@ -24,10 +24,13 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     """Flag gradients that are huge, that grow with distance from the loss, or over time."""
     if evidence.records.empty:
         return []
+    # One finding per layer: the rule that saw it first.
     found: dict[str, Finding] = {}
     for finding in (*_magnitude(evidence, thresholds), *_depth(evidence, thresholds),
                     *_growth(evidence, thresholds)):
-        found.setdefault(finding.layer, finding)
+        known = found.get(finding.layer)
+        if known is None or finding.step < known.step:
+            found[finding.layer] = finding
     return list(found.values())
 
 

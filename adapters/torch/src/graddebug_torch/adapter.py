@@ -25,7 +25,7 @@ from graddebug.errors import (
 )
 from graddebug.interventions import Intervention
 from graddebug.records import Event, EventKind, Record
-from graddebug_torch.stats import activation_stats, apply_intervention, unit_absmax
+from graddebug_torch.stats import acc_dtype, activation_stats, apply_intervention, unit_absmax
 
 __all__ = ["TorchAdapter"]
 
@@ -368,7 +368,7 @@ class TorchAdapter:
         if self._options.outputs or layer.keep:
             # Forward finiteness check: one reduction, read at the step's single sync.
             state.forward_sums.append(
-                (key, layer.depth, tensor.detach().sum(dtype=torch.float32))
+                (key, layer.depth, tensor.detach().sum(dtype=acc_dtype(tensor)))
             )
         if not tensor.requires_grad:
             return
@@ -393,7 +393,15 @@ class TorchAdapter:
         layer.mask_checked = True
 
     def _intervene(self, spec: Intervention, name: str, grad: Tensor) -> Tensor:
-        out = apply_intervention(grad, spec)
+        try:
+            out = apply_intervention(grad, spec)
+        except GradDebugError:
+            raise
+        except Exception as exc:
+            if spec.mask_is_callable:
+                raise  # the user's own mask function failed: theirs to see
+            self._ctx.internal_error(exc, name)  # fail-open: the gradient flows on unaltered
+            return grad
         if not isinstance(out, Tensor) or out.shape != grad.shape:
             got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
             raise MaskShapeError(
@@ -428,7 +436,7 @@ class TorchAdapter:
             units=units,
             shape=tuple(seen.shape),
             pre_norm=(
-                torch.linalg.vector_norm(grad, dtype=torch.float32) if new is not None else None
+                torch.linalg.vector_norm(grad, dtype=acc_dtype(grad)) if new is not None else None
             ),
         )
         calls = self._state.captures.setdefault(key, [])
@@ -499,19 +507,18 @@ class TorchAdapter:
                     alive.append(c.alive)
         parts: list[Tensor] = []
         if floats:
-            parts.append(torch.stack(floats))
+            parts.append(_stack(floats))
         if alive:
-            parts.append(torch.stack(alive).to(torch.float32))
+            parts.append(torch.stack(alive))
         for key in pooled:
             units = torch.stack([c.units for c in state.captures[key] if c.units is not None])
-            parts.append(torch.count_nonzero(units.amax(0)).to(torch.float32))
+            parts.append(torch.count_nonzero(units.amax(0)))
         if dense:
-            parts.append(torch.stack(torch._foreach_norm(dense)).to(torch.float32))
+            parts.append(_stack(torch._foreach_norm(dense)))
         if full:
             for g in dense:
                 low, high = torch.aminmax(g)
-                parts.append(torch.stack([g.sum(dtype=torch.float32),
-                                          torch.maximum(high, low.neg()).to(torch.float32)]))
+                parts.append(_stack([g.sum(dtype=acc_dtype(g)), torch.maximum(high, low.neg())]))
         parts.extend(s for _, _, s in state.forward_sums)
         flat = _Cursor(_to_host(parts))
 
@@ -629,10 +636,20 @@ def _owns_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
+def _stack(scalars: Sequence[Tensor]) -> Tensor:
+    """Stack 0-d tensors; mixed dtypes (a float64 tensor among float32 ones) go to float64."""
+    first = scalars[0].dtype
+    if any(s.dtype != first for s in scalars):
+        return torch.stack([s.to(torch.float64) for s in scalars])
+    return torch.stack(list(scalars))
+
+
 def _to_host(parts: list[Tensor]) -> list[float]:
     if not parts:
         return []
-    flat = [p.reshape(-1) for p in parts]
+    wide = any(p.dtype == torch.float64 for p in parts)
+    dtype = torch.float64 if wide else torch.float32
+    flat = [p.reshape(-1).to(dtype) for p in parts]
     by_device: dict[torch.device, list[Tensor]] = {}
     for p in flat:
         by_device.setdefault(p.device, []).append(p)

@@ -13,9 +13,15 @@ from torch import Tensor
 
 from graddebug.interventions import Intervention
 
-__all__ = ["activation_stats", "apply_intervention", "unit_absmax"]
+__all__ = ["acc_dtype", "activation_stats", "apply_intervention", "unit_absmax"]
 
 _F32 = torch.float32
+
+
+def acc_dtype(tensor: Tensor) -> torch.dtype:
+    """The dtype statistics of ``tensor`` are accumulated in: float64 for float64, else float32
+    (half precision is upcast inside the reduction, with no copy of the tensor)."""
+    return torch.float64 if tensor.dtype == torch.float64 else _F32
 
 
 def unit_absmax(grad: Tensor, unit_dim: int | None) -> Tensor | None:
@@ -32,7 +38,8 @@ def unit_absmax(grad: Tensor, unit_dim: int | None) -> Tensor | None:
 
 def activation_stats(grad: Tensor, units: Tensor | None
                      ) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor | None]:
-    """Return ``(norm, sum, absmax)`` as float32 0-d device tensors, and the live-unit count.
+    """Return ``(norm, sum, absmax)`` as 0-d device tensors in :func:`acc_dtype`, and the
+    live-unit count.
 
     Nothing is stacked here: the step's scalars are stacked once when it closes.
 
@@ -40,8 +47,9 @@ def activation_stats(grad: Tensor, units: Tensor | None
         grad: The gradient (dense).
         units: Its :func:`unit_absmax`, or None; then the live-unit count is None.
     """
-    norm = torch.linalg.vector_norm(grad, dtype=_F32)
-    total = grad.sum(dtype=_F32)
+    dtype = acc_dtype(grad)
+    norm = torch.linalg.vector_norm(grad, dtype=dtype)
+    total = grad.sum(dtype=dtype)
     if units is None:
         low, high = torch.aminmax(grad)
         absmax = torch.maximum(high, low.neg())
@@ -49,8 +57,8 @@ def activation_stats(grad: Tensor, units: Tensor | None
     else:
         absmax = units.max()
         alive = torch.count_nonzero(units)
-    if absmax.dtype != _F32:
-        absmax = absmax.to(_F32)
+    if absmax.dtype != dtype:
+        absmax = absmax.to(dtype)
     return (norm, total, absmax), alive
 
 
@@ -68,7 +76,7 @@ def apply_intervention(grad: Tensor, spec: Intervention) -> Tensor:
     if spec.clip_value is not None:
         out = out.clamp(-spec.clip_value, spec.clip_value)
     if spec.clip_norm is not None:
-        norm = torch.linalg.vector_norm(out, dtype=_F32)
+        norm = torch.linalg.vector_norm(out, dtype=acc_dtype(out))
         factor = (spec.clip_norm / norm).clamp(max=1.0).to(out.dtype)
         out = out * factor
     return out
