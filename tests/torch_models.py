@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graddebug.demo import build_sigmoid_mlp
+
 
 def relu_mlp(depth: int = 6, width: int = 64, inputs: int = 32, classes: int = 10,
              inplace: bool = False) -> nn.Sequential:
@@ -19,14 +21,9 @@ def relu_mlp(depth: int = 6, width: int = 64, inputs: int = 32, classes: int = 1
     return nn.Sequential(*layers)
 
 
-def sigmoid_mlp(depth: int = 12, width: int = 64, inputs: int = 32,
-                classes: int = 10) -> nn.Sequential:
-    """Default-initialised sigmoid MLP: its early gradients vanish."""
-    layers: list[nn.Module] = []
-    for i in range(depth - 1):
-        layers += [nn.Linear(inputs if i == 0 else width, width), nn.Sigmoid()]
-    layers.append(nn.Linear(width, classes))
-    return nn.Sequential(*layers)
+def sigmoid_mlp(depth: int = 12) -> nn.Sequential:
+    """Default-initialised sigmoid MLP (the demo's): its early gradients vanish."""
+    return build_sigmoid_mlp(depth=depth)
 
 
 class Block(nn.Module):

@@ -145,8 +145,8 @@ def build(name: str) -> nn.Module:
     return MODELS[name][0]()
 
 
-def train(name: str) -> graddebug.Watcher:
-    """Train the network ``name`` for :data:`STEPS` SGD steps under ``graddebug.watch``.
+def train(name: str, steps: int = STEPS) -> graddebug.Watcher:
+    """Train the network ``name`` for ``steps`` SGD steps under ``graddebug.watch``.
 
     Returns:
         The Watcher, after its ``with`` block.
@@ -155,7 +155,7 @@ def train(name: str) -> graddebug.Watcher:
     model = build(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     with graddebug.watch(model) as dbg:
-        for x, y in batches(shape):
+        for x, y in batches(shape, steps):
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
