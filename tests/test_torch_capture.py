@@ -387,3 +387,17 @@ def test_float64_models_are_captured_in_float64() -> None:
         np.testing.assert_array_equal(dbg.tensors(0)[key], expected)
         assert frame.loc[(key, "output"), "norm"] == pytest.approx(
             np.linalg.norm(expected), rel=1e-12)
+
+
+def test_gradient_clipped_in_place_before_step_is_recorded_after_clipping() -> None:
+    torch.manual_seed(0)
+    model = relu_mlp(depth=2, width=4)
+    with graddebug.watch(model) as dbg:
+        model(torch.randn(3, 32)).sum().mul(100).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        expected = {name: p.grad.norm().item() for name, p in model.named_parameters()}
+        dbg.step()
+    params = dbg.frame().query("kind == 'parameter'")
+    got = {f"{r.layer}.{r.tensor}": r.norm for r in params.itertuples()}
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert sum(v**2 for v in got.values()) == pytest.approx(0.25, rel=1e-4)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -24,8 +22,15 @@ from graddebug.errors import (
     close_matches,
 )
 from graddebug.interventions import Intervention
-from graddebug.records import Event, EventKind, Record
-from graddebug_torch.stats import acc_dtype, activation_stats, apply_intervention, unit_absmax
+from graddebug.records import Event, EventKind
+from graddebug_torch.stats import (
+    acc_dtype,
+    apply_intervention,
+    square_sum,
+    unit_extremes,
+    whole_absmax,
+)
+from graddebug_torch.step import Capture, ParamGrad, ParamRow, StepState, gather
 
 __all__ = ["TorchAdapter"]
 
@@ -81,6 +86,7 @@ class _Layer:
     keep: bool = False
     intervention: Intervention | None = None
     mask_checked: bool = False
+    capture: bool = True  # record the gradient at its outputs (False: parameters only)
 
 
 @dataclass
@@ -90,34 +96,6 @@ class _Param:
     param: Tensor
     owner_chain: tuple[str, ...]  # owner module name, then its ancestors
     keep: bool = False
-
-
-@dataclass
-class _Capture:
-    stats: tuple[Tensor, Tensor, Tensor]  # norm, sum, absmax
-    alive: Tensor | None  # count of units with a non-zero gradient
-    units: Tensor | None
-    shape: tuple[int, ...]
-    pre_norm: Tensor | None
-
-    @property
-    def n_units(self) -> int:
-        return 0 if self.units is None else self.units.numel()
-
-
-@dataclass
-class _StepState:
-    """Everything captured in the open step; dropped when it closes."""
-
-    captures: dict[Key, list[_Capture]] = field(default_factory=dict)
-    expected: dict[Key, int] = field(default_factory=dict)
-    forward_sums: list[tuple[Key, int, Tensor]] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    kept: dict[str, np.ndarray] = field(default_factory=dict)
-    handles: list[RemovableHandle] = field(default_factory=list)
-    received: dict[int, Tensor] = field(default_factory=dict)
-    taps: int = 0
-    tap_requires_grad: bool = False
 
 
 class TorchAdapter:
@@ -149,7 +127,7 @@ class TorchAdapter:
         self._modules: dict[str, nn.Module] = {}
         self._params: list[_Param] = []
         self._module_handles: list[RemovableHandle] = []
-        self._state = _StepState()
+        self._state = StepState()
         self._matched: set[str] = set()
         self._next_depth = 0
         self._closed_any = False
@@ -168,11 +146,14 @@ class TorchAdapter:
                 selected.setdefault(extra, named[extra])
             for name, module in selected.items():
                 self._modules[name] = module
+                keep = name in options.keep
+                intervention = options.intervene.get(name)
                 self._layers[name] = _Layer(
                     name=name,
                     channels_first=isinstance(module, _CHANNELS_FIRST),
-                    keep=name in options.keep,
-                    intervention=options.intervene.get(name),
+                    keep=keep,
+                    intervention=intervention,
+                    capture=options.outputs or keep or intervention is not None,
                 )
             self._matched |= wanted & named.keys()
             chosen = None if options.layers is None else set(selected)
@@ -259,9 +240,20 @@ class TorchAdapter:
                     functools.partial(self._on_param_grad, index)))
 
     def _on_param_grad(self, index: int, param: Tensor) -> None:
-        # Holding the reference lets step() come after zero_grad(set_to_none=True).
-        if self._ctx.recording and param.grad is not None:
-            self._state.received[index] = param.grad
+        # Holding the reference lets step() come after zero_grad(set_to_none=True). The sum of
+        # squares is taken now, while the gradient is still in cache; a gradient that changes
+        # afterwards (accumulation, clipping in place) is measured again when the step closes.
+        grad = param.grad
+        if not self._ctx.recording or grad is None:
+            return
+        try:
+            received = self._state.received
+            dense = not grad.is_sparse and grad.is_contiguous()
+            first = index not in received
+            sq = square_sum(grad) if first and dense else None
+            received[index] = ParamGrad(grad, sq, grad._version)
+        except Exception as exc:  # fail-open
+            self._ctx.internal_error(exc, self._params[index].layer)
 
     def detach(self) -> None:
         """Remove every module and tensor hook; restore ``model.training``."""
@@ -313,7 +305,6 @@ class TorchAdapter:
         if layer.depth < 0:
             layer.depth = self._take_depth()
         state = self._state
-        state.taps += 1
         if not tensor.requires_grad:
             if state.tap_requires_grad:
                 state.events.append(
@@ -341,10 +332,11 @@ class TorchAdapter:
         try:
             if layer.depth < 0:
                 layer.depth = self._take_depth()
-            for tname, tensor in _flatten(output):
+            tensors = (("output", output),) if isinstance(output, Tensor) else _flatten(output)
+            for tname, tensor in tensors:
                 if not tensor.is_floating_point():
                     continue
-                if self._options.outputs or layer.keep or layer.intervention is not None:
+                if layer.capture:
                     self._watch_tensor(layer, tname, tensor)
                 if tensor.requires_grad:
                     continue
@@ -365,7 +357,7 @@ class TorchAdapter:
         spec = layer.intervention
         if spec is not None and spec.mask is not None and not spec.mask_is_callable:
             self._check_mask(layer, tensor, spec.mask)
-        if self._options.outputs or layer.keep:
+        if layer.capture:
             # Forward finiteness check: one reduction, read at the step's single sync.
             state.forward_sums.append(
                 (key, layer.depth, tensor.detach().sum(dtype=acc_dtype(tensor)))
@@ -425,21 +417,19 @@ class TorchAdapter:
 
     def _record_grad(self, layer: _Layer, tname: str, grad: Tensor, new: Tensor | None) -> None:
         seen = new if new is not None else grad
-        key = (layer.name, tname)
         if seen.is_sparse:
             seen = seen.coalesce().values()
-        units = unit_absmax(seen, _unit_dim(seen.dim(), layer.channels_first))
-        stats, alive = activation_stats(seen, units)
-        capture = _Capture(
-            stats=stats,
-            alive=alive,
-            units=units,
-            shape=tuple(seen.shape),
-            pre_norm=(
-                torch.linalg.vector_norm(grad, dtype=acc_dtype(grad)) if new is not None else None
-            ),
+        extremes = unit_extremes(seen, _unit_dim(seen.dim(), layer.channels_first))
+        capture = Capture(
+            sq=square_sum(seen),
+            total=seen.sum(dtype=acc_dtype(seen)),
+            extremes=extremes,
+            absmax=whole_absmax(seen) if extremes is None else None,
+            shape=str(tuple(seen.shape)),
+            numel=seen.numel(),
+            pre_sq=square_sum(grad) if new is not None else None,
         )
-        calls = self._state.captures.setdefault(key, [])
+        calls = self._state.captures.setdefault((layer.name, tname), [])
         calls.append(capture)
         if layer.keep:
             label = layer.name if tname == "output" else f"{layer.name}.{tname}"
@@ -447,133 +437,44 @@ class TorchAdapter:
                 label = f"{label}#{len(calls) - 1}"
             self._state.kept[label] = seen.detach().cpu().numpy().copy()
 
-    # -- closing a step ---------------------------------------------------------------------
-
     def _drop_step(self) -> None:
         for handle in self._state.handles:
             handle.remove()
-        self._state = _StepState()
+        self._state = StepState()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Turn the step's captures into records with one host transfer, then reset."""
         try:
             if not record:
                 return StepResult()
-            return self._gather(step, grads)
+            depths = {name: layer.depth for name, layer in self._layers.items()}
+            return gather(step, self._state, self._param_rows(grads), depths,
+                          full=self._options.param_stats == "full")
         finally:
             self._closed_any = True
             self._drop_step()
 
-    def _param_grads(self, grads: Sequence[Any] | None) -> list[tuple[_Param, Tensor | None]]:
+    def _param_rows(self, grads: Sequence[Any] | None) -> list[ParamRow]:
         live = [(i, p) for i, p in enumerate(self._params) if p.param.requires_grad]
-        if grads is None:
-            received = self._state.received
-            return [
-                (p, p.param.grad if p.param.grad is not None else received.get(i))
-                for i, p in live
-            ]
-        grads = list(grads)
-        if len(grads) != len(live):
-            raise GradientCountError(
-                f"step() got {len(grads)} gradients but {len(live)} parameters are watched "
-                "(those with requires_grad=True, in named_parameters() order)."
-            )
-        return list(zip((p for _, p in live), grads, strict=True))
-
-    def _gather(self, step: int, grads: Sequence[Any] | None) -> StepResult:
-        state = self._state
-        pairs = self._param_grads(grads)
-        present: list[tuple[_Param, Tensor]] = [(p, g) for p, g in pairs if g is not None]
-        if not state.captures and not present:
-            return StepResult()  # no backward ran in this step
-        result = StepResult(events=list(state.events), kept=dict(state.kept))
-        dense = [g.coalesce().values() if g.is_sparse else g for _, g in present]
-        full = self._options.param_stats == "full"
-        pooled = [
-            key for key, calls in state.captures.items()
-            if len(calls) > 1 and len({c.n_units for c in calls}) == 1 and calls[0].n_units
-        ]
-
-        # Everything goes into one flat device tensor, read in the same order below: a single
-        # host sync for the whole step.
-        floats: list[Tensor] = []
-        alive: list[Tensor] = []
-        for calls in state.captures.values():
-            for c in calls:
-                floats.extend(c.stats)
-                if c.pre_norm is not None:
-                    floats.append(c.pre_norm)
-                if c.alive is not None:
-                    alive.append(c.alive)
-        parts: list[Tensor] = []
-        if floats:
-            parts.append(_stack(floats))
-        if alive:
-            parts.append(torch.stack(alive))
-        for key in pooled:
-            units = torch.stack([c.units for c in state.captures[key] if c.units is not None])
-            parts.append(torch.count_nonzero(units.amax(0)))
-        if dense:
-            parts.append(_stack(torch._foreach_norm(dense)))
-        if full:
-            for g in dense:
-                low, high = torch.aminmax(g)
-                parts.append(_stack([g.sum(dtype=acc_dtype(g)), torch.maximum(high, low.neg())]))
-        parts.extend(s for _, _, s in state.forward_sums)
-        flat = _Cursor(_to_host(parts))
-
-        stats = {key: [(flat.take(3), flat.take(1)[0] if c.pre_norm is not None else None)
-                       for c in calls]
-                 for key, calls in state.captures.items()}
-        live = {key: [flat.take(1)[0] if c.alive is not None else None for c in calls]
-                for key, calls in state.captures.items()}
-        pooled_alive = {key: flat.take(1)[0] for key in pooled}
-        for key, calls in state.captures.items():
-            count = live[key][0] if len(calls) == 1 else pooled_alive.get(key)
-            result.records.append(
-                self._activation_record(step, key, calls, stats[key], count)
-            )
-        norms = flat.take(len(dense))
-        for (param, _), g, norm in zip(present, dense, norms, strict=True):
-            extra = flat.take(2) if full else None
-            result.records.append(self._param_record(step, param, g, norm, extra))
-        for key, depth, _ in state.forward_sums:
-            value = flat.take(1)[0]
-            if not math.isfinite(value):
-                detail = "NaN" if math.isnan(value) else "Inf"
-                result.events.append(Event(step, key[0], key[1], depth,
-                                           EventKind.FORWARD_NONFINITE.value, detail))
-        for (layer, tname), depth in state.expected.items():
-            if (layer, tname) not in state.captures:
-                result.events.append(Event(step, layer, tname, depth, EventKind.UNREACHED.value))
-        for param, maybe in pairs:
-            if maybe is None:
-                result.events.append(Event(step, param.layer, param.tensor, self._depth(param),
-                                           EventKind.NO_GRAD.value))
-            elif param.keep:
-                result.kept[f"{param.layer}.{param.tensor}"] = (
-                    maybe.detach().cpu().numpy().copy()
+        if grads is not None:
+            grads = list(grads)
+            if len(grads) != len(live):
+                raise GradientCountError(
+                    f"step() got {len(grads)} gradients but {len(live)} parameters are "
+                    "watched (those with requires_grad=True, in named_parameters() order)."
                 )
-        return result
-
-    def _activation_record(self, step: int, key: Key, calls: list[_Capture],
-                           stats: list[tuple[list[float], float | None]],
-                           alive: float | None) -> Record:
-        first = calls[0]
-        absmax = _nanmax(values[2] for values, _ in stats)
-        pres = [pre for _, pre in stats if pre is not None]
-        units = first.n_units
-        return _record(
-            step, key[0], key[1], "activation", self._layers[key[0]].depth, first.shape,
-            numel=sum(math.prod(c.shape) for c in calls),
-            norm=math.sqrt(sum(values[0] ** 2 for values, _ in stats)),
-            total=sum(values[1] for values, _ in stats),
-            absmax=absmax,
-            zero_frac=(units - alive) / units if alive is not None and units else math.nan,
-            nan=math.isnan(absmax),
-            inf=math.isinf(absmax),
-            pre_norm=math.sqrt(sum(p ** 2 for p in pres)) if pres else math.nan,
-        )
+            return [ParamRow(p.layer, p.tensor, self._depth(p), g, None, p.keep)
+                    for (_, p), g in zip(live, grads, strict=True)]
+        rows = []
+        for i, p in live:
+            seen = self._state.received.get(i)
+            grad = p.param.grad
+            if grad is None and seen is not None:
+                grad = seen.grad
+            fresh = seen is not None and seen.grad is grad and grad._version == seen.version
+            rows.append(ParamRow(p.layer, p.tensor, self._depth(p), grad,
+                                 seen.sq if fresh and seen is not None else None, p.keep))
+        return rows
 
     def _depth(self, param: _Param) -> int:
         for name in param.owner_chain:
@@ -581,49 +482,6 @@ class TorchAdapter:
             if layer is not None and layer.depth >= 0:
                 return layer.depth
         return -1
-
-    def _param_record(self, step: int, param: _Param, grad: Tensor, norm: float,
-                      extra: list[float] | None) -> Record:
-        nan = inf = False
-        if not math.isfinite(norm):
-            # Rare: a second sync, only for a gradient already known to be broken.
-            nan = bool(torch.isnan(grad).any())
-            inf = bool(torch.isinf(grad).any())
-        total, absmax = (extra[0], extra[1]) if extra is not None else (math.nan, math.nan)
-        return _record(step, param.layer, param.tensor, "parameter", self._depth(param),
-                       tuple(grad.shape), grad.numel(), norm, total, absmax, math.nan, nan, inf)
-
-
-class _Cursor:
-    """Reads consecutive slices of the step's host values."""
-
-    def __init__(self, values: list[float]) -> None:
-        self._values = values
-        self._at = 0
-
-    def take(self, n: int) -> list[float]:
-        out = self._values[self._at:self._at + n]
-        self._at += n
-        return out
-
-
-def _record(step: int, layer: str, tensor: str, kind: str, depth: int, shape: tuple[int, ...],
-            numel: int, norm: float, total: float, absmax: float, zero_frac: float,
-            nan: bool, inf: bool, pre_norm: float = math.nan) -> Record:
-    mean = total / numel if numel else math.nan
-    var = norm * norm / numel - mean * mean if numel else math.nan
-    std = math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.nan
-    return Record(step, layer, tensor, kind, depth, str(shape), numel, norm, mean, std,
-                  absmax, zero_frac, nan, inf and not nan, pre_norm)
-
-
-def _nanmax(values: Any) -> float:
-    out = -math.inf
-    for v in values:
-        if math.isnan(v):
-            return math.nan
-        out = max(out, v)
-    return out
 
 
 def _ancestors(qualified: str) -> Iterator[str]:
@@ -634,36 +492,3 @@ def _ancestors(qualified: str) -> Iterator[str]:
 
 def _owns_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
-
-
-def _stack(scalars: Sequence[Tensor]) -> Tensor:
-    """Stack 0-d tensors; mixed dtypes (a float64 tensor among float32 ones) go to float64."""
-    first = scalars[0].dtype
-    if any(s.dtype != first for s in scalars):
-        return torch.stack([s.to(torch.float64) for s in scalars])
-    return torch.stack(list(scalars))
-
-
-def _to_host(parts: list[Tensor]) -> list[float]:
-    if not parts:
-        return []
-    wide = any(p.dtype == torch.float64 for p in parts)
-    dtype = torch.float64 if wide else torch.float32
-    flat = [p.reshape(-1).to(dtype) for p in parts]
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for p in flat:
-        by_device.setdefault(p.device, []).append(p)
-    if len(by_device) == 1:
-        values: list[float] = torch.cat(flat).tolist()
-        return values
-    # Several devices: one transfer each, then restore the original order.
-    moved = {dev: torch.cat(ts).cpu() for dev, ts in by_device.items()}
-    offsets = dict.fromkeys(moved, 0)
-    out: list[float] = []
-    for p in flat:
-        dev = p.device
-        n = p.numel()
-        out.extend(moved[dev][offsets[dev]:offsets[dev] + n].tolist())
-        offsets[dev] += n
-    return out
-

@@ -1,65 +1,79 @@
 """Gradient statistics computed on the device, without host syncs or gradient-sized temporaries.
 
-An activation gradient costs four reductions: its L2 norm, its sum, and the per-unit max and
-min (one ``aminmax`` when the unit axis is last). The per-unit extremes give both ``absmax``
-and the count of dead units, which the ``dead`` detector needs. NaN propagates through
-``amax``/``amin``, so a NaN ``absmax`` marks a NaN gradient without counting entries.
+A captured gradient costs four reductions in its hook: the sum of squares (a BLAS ``dot`` on the
+flat view, 2-4x faster than ``vector_norm`` on CPU), the sum, and the per-unit max and min
+(``amax``/``amin``; the fused per-axis ``aminmax`` is 5-11x slower on CPU). The per-unit
+extremes give ``absmax`` and the count of dead units; they are combined for all captures of a
+step at once, in :func:`unit_summary`. NaN propagates through ``dot``, ``amax`` and ``amin``, so
+a NaN ``absmax`` marks a NaN gradient without counting entries.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from graddebug.interventions import Intervention
 
-__all__ = ["acc_dtype", "activation_stats", "apply_intervention", "unit_absmax"]
+__all__ = [
+    "acc_dtype",
+    "apply_intervention",
+    "square_sum",
+    "unit_extremes",
+    "unit_summary",
+    "whole_absmax",
+]
 
-_F32 = torch.float32
+_BLAS = (torch.float32, torch.float64)
 
 
 def acc_dtype(tensor: Tensor) -> torch.dtype:
     """The dtype statistics of ``tensor`` are accumulated in: float64 for float64, else float32
     (half precision is upcast inside the reduction, with no copy of the tensor)."""
-    return torch.float64 if tensor.dtype == torch.float64 else _F32
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def unit_absmax(grad: Tensor, unit_dim: int | None) -> Tensor | None:
-    """Per-unit max |g| over every axis but ``unit_dim``; None when there is no unit axis."""
+def square_sum(grad: Tensor) -> Tensor:
+    """Sum of squares of ``grad`` as a 0-d tensor in :func:`acc_dtype`."""
+    if grad.dtype in _BLAS and grad.is_contiguous():
+        flat = grad.view(-1)
+        out: Tensor = torch.dot(flat, flat)
+    else:
+        out = torch.linalg.vector_norm(grad, dtype=acc_dtype(grad)).square()
+    return out
+
+
+def unit_extremes(grad: Tensor, unit_dim: int | None) -> tuple[Tensor, Tensor] | None:
+    """Per-unit ``(max, min)`` over every axis but ``unit_dim``; None without a unit axis."""
     if unit_dim is None or grad.dim() < 2:
         return None
     if unit_dim == grad.dim() - 1 and grad.is_contiguous():
-        low, high = torch.aminmax(grad.reshape(-1, grad.shape[-1]), dim=0)
-    else:
-        dims = [d for d in range(grad.dim()) if d != unit_dim]
-        high, low = torch.amax(grad, dim=dims), torch.amin(grad, dim=dims)
+        rows = grad.view(-1, grad.shape[-1])
+        return rows.amax(0), rows.amin(0)
+    dims = [d for d in range(grad.dim()) if d != unit_dim]
+    return grad.amax(dims), grad.amin(dims)
+
+
+def whole_absmax(grad: Tensor) -> Tensor:
+    """``max |g|`` of a gradient with no unit axis, without a gradient-sized temporary."""
+    low, high = torch.aminmax(grad)
     return torch.maximum(high, low.neg())
 
 
-def activation_stats(grad: Tensor, units: Tensor | None
-                     ) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor | None]:
-    """Return ``(norm, sum, absmax)`` as 0-d device tensors in :func:`acc_dtype`, and the
-    live-unit count.
-
-    Nothing is stacked here: the step's scalars are stacked once when it closes.
+def unit_summary(highs: Sequence[Tensor], lows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Per capture, ``absmax`` and the number of live units, for same-width captures at once.
 
     Args:
-        grad: The gradient (dense).
-        units: Its :func:`unit_absmax`, or None; then the live-unit count is None.
+        highs: Per-unit maxima, one 1-D tensor of equal length per capture.
+        lows: The matching per-unit minima.
+
+    Returns:
+        ``(absmax, live)``: 1-D tensors with one entry per capture.
     """
-    dtype = acc_dtype(grad)
-    norm = torch.linalg.vector_norm(grad, dtype=dtype)
-    total = grad.sum(dtype=dtype)
-    if units is None:
-        low, high = torch.aminmax(grad)
-        absmax = torch.maximum(high, low.neg())
-        alive = None
-    else:
-        absmax = units.max()
-        alive = torch.count_nonzero(units)
-    if absmax.dtype != dtype:
-        absmax = absmax.to(dtype)
-    return (norm, total, absmax), alive
+    per_unit = torch.maximum(torch.stack(list(highs)), torch.stack(list(lows)).neg())
+    return per_unit.amax(1), torch.count_nonzero(per_unit, dim=1)
 
 
 def apply_intervention(grad: Tensor, spec: Intervention) -> Tensor:
