@@ -1,0 +1,657 @@
+"""Step-time overhead of graddebug on PyTorch: watched over plain, median of interleaved rounds.
+
+Run by hand (it is a benchmark, not a test)::
+
+    python benchmarks/overhead_torch.py                       # all workloads, both configs
+    python benchmarks/overhead_torch.py --rounds 15 --steps-per-round 10 --workloads mlp
+    python benchmarks/overhead_torch.py --profile --workloads transformer
+
+A training step is ``zero_grad, forward, loss, backward, SGD step`` and, when watched,
+``dbg.step()`` right after ``backward`` (as the library documents). Plain and watched rounds run in
+one process on the same model, optimizer and batch, interleaved; the order of the two rounds of a
+pair flips every round (plain-watched, watched-plain, ...) so that slow drift of the machine
+cancels out. Each configuration builds one ``Watcher`` and enters it around every watched round:
+a plain round then runs with no graddebug hook installed at all, and the one-off cost of entering
+and leaving (attaching and removing hooks) is timed separately, not charged to the steps, because
+a real run enters once for thousands of steps. The ratio of a round is its watched time over the
+plain time of the same pair, where a round's time is the median of its steps, each timed on its
+own; the table quotes the median of these ratios over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import math
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import Tensor, nn
+
+import graddebug
+from graddebug import Watcher
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "overhead_torch.json"
+WORKLOADS: tuple[str, ...] = ("mlp", "cnn", "transformer")
+GRADDEBUG_DIRS: tuple[str, ...] = ("/graddebug/", "/graddebug_torch/")
+# The functions through which graddebug's work enters a training step.
+ENTRY_POINTS: tuple[str, ...] = ("_on_forward", "_on_grad", "_on_param_grad", "step")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of watching a model.
+
+    Attributes:
+        key: Short name used on the command line and in the JSON.
+        label: What it records, for the table.
+        options: Keyword options of ``graddebug.watch``.
+        target: The largest acceptable median ratio of step times, watched over plain.
+    """
+
+    key: str
+    label: str
+    options: dict[str, Any]
+    target: float
+
+
+CONFIGS: tuple[Config, ...] = (
+    Config("a", "(a) params", {"outputs": False}, 1.05),
+    Config("b", "(b) params+outputs", {}, 1.15),
+    Config("c", "(c) = (b), every 10th", {"every": 10}, 1.05),
+)
+
+
+@dataclass
+class Workload:
+    """A model with a fixed batch, its optimizer and its loss.
+
+    Attributes:
+        name: Short name (``mlp``, ``cnn``, ``transformer``).
+        description: Model and batch, in words.
+        model: The model, in training mode.
+        optimizer: Plain SGD over the model's parameters.
+        inputs: One batch of inputs, reused every step.
+        target: The matching targets.
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+    """
+
+    name: str
+    description: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    inputs: Tensor
+    target: Tensor
+    loss_fn: LossFn
+
+
+@dataclass
+class Result:
+    """The measurements of one (workload, config) pair.
+
+    Attributes:
+        workload: Workload name.
+        config: Config key.
+        label: Config label.
+        target: The ratio the config must stay under.
+        plain_ms: Median over the rounds paired with this config of the plain step time (ms).
+        watched_ms: Median over rounds of the watched step time (ms).
+        ratio: Median over rounds of (watched / plain) step time.
+        ratio_q1: First quartile of the per-round ratios.
+        ratio_q3: Third quartile of the per-round ratios.
+        ratio_best: Fastest watched round over fastest plain round; on a busy machine it shows
+            the overhead with the least interference.
+        passed: ``ratio <= target``.
+        rows_per_step: Frame rows (recorded tensors) per watched step.
+        findings: Findings the watcher raised over the run (a healthy model should give 0).
+        enter_exit_ms: Median time to enter and leave the ``with`` block (not in the ratio).
+        round_ratios: Every round's ratio, in round order.
+        plain_round_ms: Every plain round's median step time (ms).
+        watched_round_ms: Every watched round's median step time (ms).
+    """
+
+    workload: str
+    config: str
+    label: str
+    target: float
+    plain_ms: float = math.nan
+    watched_ms: float = math.nan
+    ratio: float = math.nan
+    ratio_q1: float = math.nan
+    ratio_q3: float = math.nan
+    ratio_best: float = math.nan
+    passed: bool = False
+    rows_per_step: float = math.nan
+    findings: int = 0
+    enter_exit_ms: float = math.nan
+    round_ratios: list[float] = field(default_factory=list)
+    plain_round_ms: list[float] = field(default_factory=list)
+    watched_round_ms: list[float] = field(default_factory=list)
+
+
+# -- workloads ---------------------------------------------------------------------------------
+
+
+def _mlp() -> tuple[nn.Module, Tensor, Tensor, LossFn, str]:
+    layers: list[nn.Module] = []
+    for _ in range(16):
+        layers += [nn.Linear(512, 512), nn.ReLU()]
+    x, y = torch.randn(128, 512), torch.randn(128, 512)
+    return nn.Sequential(*layers), x, y, nn.functional.mse_loss, "16 x (Linear 512 + ReLU), b=128"
+
+
+def _cnn() -> tuple[nn.Module, Tensor, Tensor, LossFn, str]:
+    def block(c_in: int, c_out: int) -> list[nn.Module]:
+        return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU()]
+
+    model = nn.Sequential(
+        *block(3, 32), nn.MaxPool2d(2),
+        *block(32, 64), nn.MaxPool2d(2),
+        *block(64, 64), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(64, 10),
+    )
+    x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    return model, x, y, nn.functional.cross_entropy, "3 x (Conv+BN+ReLU) 3-32-64-64, b=64, 32x32"
+
+
+def _transformer() -> tuple[nn.Module, Tensor, Tensor, LossFn, str]:
+    layer = nn.TransformerEncoderLayer(
+        d_model=256, nhead=4, dim_feedforward=1024, batch_first=True
+    )
+    model = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+    x, y = torch.randn(16, 64, 256), torch.randn(16, 64, 256)
+    return model, x, y, nn.functional.mse_loss, "TransformerEncoder d256 h4 L4 ff1024, b=16 s=64"
+
+
+_BUILDERS: dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor, LossFn, str]]] = {
+    "mlp": _mlp,
+    "cnn": _cnn,
+    "transformer": _transformer,
+}
+
+
+def build_workload(name: str, device: torch.device, seed: int = 0) -> Workload:
+    """Build a workload from a fixed seed.
+
+    Args:
+        name: One of :data:`WORKLOADS`.
+        device: Where the model and the batch live.
+        seed: Seed for the weights and the batch.
+
+    Returns:
+        The workload, with its model in training mode.
+    """
+    torch.manual_seed(seed)
+    model, x, y, loss_fn, description = _BUILDERS[name]()
+    model = model.to(device).train()
+    # A small learning rate keeps the shared weights sane over hundreds of steps.
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    return Workload(name, description, model, optimizer, x.to(device), y.to(device), loss_fn)
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(work: Workload, dbg: Watcher | None) -> None:
+    """Run one training step, closing the watcher's step after ``backward`` when given.
+
+    Args:
+        work: The workload to train.
+        dbg: An entered watcher, or None for a plain step.
+    """
+    work.optimizer.zero_grad(set_to_none=True)
+    loss = work.loss_fn(work.model(work.inputs), work.target)
+    torch.autograd.backward(loss)
+    if dbg is not None:
+        dbg.step()
+    work.optimizer.step()
+
+
+def time_steps(work: Workload, steps: int, dbg: Watcher | None, device: torch.device,
+               mean: bool = False) -> float:
+    """Time ``steps`` consecutive training steps one by one; return the median, in seconds.
+
+    The median of the round, not its mean, so that a burst of load from elsewhere on a shared
+    machine that hits one or two steps does not decide the round. With ``every=N`` only one
+    step in N is recorded, and a median would hide it: such configs pass ``mean=True`` (for
+    both sides of the pair) and a round of a multiple of N steps.
+
+    Args:
+        work: The workload to train.
+        steps: How many steps the round has.
+        dbg: An entered watcher, or None for plain steps.
+        device: The workload's device, synchronised around every step.
+        mean: Return the mean instead of the median.
+    """
+    # Collect leftovers from the previous round outside the clock; collections the round itself
+    # triggers stay in, because they are part of its cost.
+    gc.collect()
+    times: list[float] = []
+    _sync(device)
+    for _ in range(steps):
+        start = time.perf_counter()
+        train_step(work, dbg)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.fmean(times) if mean else statistics.median(times)
+
+
+def time_watched(
+    work: Workload, steps: int, watcher: Watcher, device: torch.device, mean: bool = False
+) -> tuple[float, float]:
+    """Enter ``watcher``, time a round of watched steps, leave it.
+
+    Args:
+        work: The workload to train.
+        steps: How many steps the round has.
+        watcher: A Watcher built for ``work.model``, not entered.
+        device: The workload's device.
+
+    Returns:
+        The median seconds per watched step, and the seconds spent entering plus leaving.
+
+    Raises:
+        RuntimeError: graddebug left a hook on the model, so later plain rounds would be unfair.
+    """
+    start = time.perf_counter()
+    with watcher as dbg:
+        entered = time.perf_counter()
+        per_step = time_steps(work, steps, dbg, device, mean)
+        leaving = time.perf_counter()
+    enter_exit = (entered - start) + (time.perf_counter() - leaving)
+    _check_no_hooks(work.model)
+    return per_step, enter_exit
+
+
+def _check_no_hooks(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+            raise RuntimeError(f"graddebug left a module hook on {name or 'the model'!r}")
+    for name, param in model.named_parameters():
+        if param._post_accumulate_grad_hooks or param._backward_hooks:
+            raise RuntimeError(f"graddebug left a gradient hook on parameter {name!r}")
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def benchmark_workload(
+    name: str,
+    configs: Sequence[Config],
+    rounds: int,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    console: Console,
+) -> list[Result]:
+    """Measure every config on one workload, plain and watched rounds interleaved.
+
+    Args:
+        name: Workload name.
+        configs: The watch configurations to compare with plain training.
+        rounds: Timed rounds per config.
+        steps: Steps per round.
+        warmup: Untimed rounds per config before the timed ones.
+        device: Where to run.
+        console: For progress lines.
+
+    Returns:
+        One result per config, in ``configs`` order.
+    """
+    work = build_workload(name, device)
+    watchers = {c.key: graddebug.watch(work.model, **c.options) for c in configs}
+    results = {c.key: Result(name, c.key, c.label, c.target) for c in configs}
+    enter_exit: dict[str, list[float]] = {c.key: [] for c in configs}
+    console.print(f"[bold]{name}[/bold]: {work.description}, "
+                  f"{sum(p.numel() for p in work.model.parameters()):,} parameters")
+    for r in range(-warmup, rounds):
+        for config in configs:
+            watcher = watchers[config.key]
+            mean = watcher.every > 1  # a median would hide the one recorded step in N
+            # Flip the order every round so that drift favours neither side.
+            if r % 2 == 0:
+                plain = time_steps(work, steps, None, device, mean)
+                watched, enter = time_watched(work, steps, watcher, device, mean)
+            else:
+                watched, enter = time_watched(work, steps, watcher, device, mean)
+                plain = time_steps(work, steps, None, device, mean)
+            if r < 0:
+                continue
+            res = results[config.key]
+            res.plain_round_ms.append(plain * 1e3)
+            res.watched_round_ms.append(watched * 1e3)
+            res.round_ratios.append(watched / plain)
+            enter_exit[config.key].append(enter * 1e3)
+        if r >= 0:
+            line = "  ".join(
+                f"{c.key}={results[c.key].round_ratios[-1]:.3f}" for c in configs
+            )
+            console.print(f"  round {r + 1:>2}/{rounds}  ratio {line}", style="dim")
+
+    for config in configs:
+        res = results[config.key]
+        watcher = watchers[config.key]
+        recorded_steps = (warmup + rounds) * steps
+        res.plain_ms = statistics.median(res.plain_round_ms)
+        res.watched_ms = statistics.median(res.watched_round_ms)
+        res.ratio = statistics.median(res.round_ratios)
+        res.ratio_q1, res.ratio_q3 = _quartiles(res.round_ratios)
+        res.ratio_best = min(res.watched_round_ms) / min(res.plain_round_ms)
+        res.passed = res.ratio <= config.target
+        res.rows_per_step = len(watcher.frame()) / recorded_steps
+        res.findings = len(watcher.findings())
+        res.enter_exit_ms = statistics.median(enter_exit[config.key])
+        if res.findings:
+            found = watcher.findings()
+            console.print(f"  [yellow]{config.label}: {res.findings} findings[/yellow] "
+                          f"(issues: {sorted(set(found['issue']))}); first: "
+                          f"{found['message'].iloc[0]}")
+    return [results[c.key] for c in configs]
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def results_table(results: Sequence[Result], title: str) -> Table:
+    """Build the summary table.
+
+    Args:
+        results: One result per (workload, config).
+        title: The table's title.
+
+    Returns:
+        A rich table with one row per result.
+    """
+    table = Table(title=title, title_justify="left")
+    table.add_column("workload")
+    table.add_column("config")
+    for col in ("plain ms/step", "watched ms/step", "ratio", "ratio IQR", "best/best",
+                "target", "rows/step"):
+        table.add_column(col, justify="right")
+    table.add_column("result")
+    for res in results:
+        verdict = "[green]pass[/green]" if res.passed else "[red]FAIL[/red]"
+        table.add_row(
+            res.workload, res.label, f"{res.plain_ms:.2f}", f"{res.watched_ms:.2f}",
+            f"{res.ratio:.3f}", f"{res.ratio_q1:.2f}-{res.ratio_q3:.2f}",
+            f"{res.ratio_best:.3f}", f"<={res.target:.2f}", f"{res.rows_per_step:.0f}", verdict,
+        )
+    return table
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip()
+
+
+def environment() -> dict[str, Any]:
+    """Describe the machine, the library versions and the commit measured, for the JSON file."""
+    return {
+        "git_commit": _git("rev-parse", "HEAD"),
+        # Uncommitted changes to the library make the commit alone an incomplete description.
+        "library_modified": bool(_git("status", "--porcelain", "--", "../src", "../adapters")),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "graddebug": graddebug.__version__,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(path: Path, results: Sequence[Result], settings: dict[str, Any]) -> None:
+    """Write the settings, the environment and every measurement to ``path``.
+
+    Args:
+        path: Output file; its folder is created.
+        results: One result per (workload, config).
+        settings: The command-line settings of the run.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": "overhead_torch",
+        "method": "median over rounds of watched/plain step time, a round's time being the "
+                  "median of its steps; rounds interleaved, order flipped every round; "
+                  "enter/exit of the with block not in the steps",
+        "settings": settings,
+        "environment": environment(),
+        "results": [asdict(r) for r in results],
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+# -- profiling ---------------------------------------------------------------------------------
+
+
+def _is_graddebug(filename: str) -> bool:
+    return any(d in filename.replace("\\", "/") for d in GRADDEBUG_DIRS)
+
+
+def profile_workload(
+    name: str, config: Config, steps: int, warmup_steps: int, device: torch.device, top: int,
+    console: Console, dump: Path | None,
+) -> None:
+    """Run cProfile over the watched steps of one workload and print the hot spots.
+
+    Prints the top ``top`` functions by own time, then graddebug's share of the step: the
+    cumulative time of its entry points (hooks and ``Watcher.step``, torch kernels they launch
+    included) and the own Python time of all its functions.
+
+    Args:
+        name: Workload name.
+        config: The watch configuration to profile.
+        steps: Profiled steps.
+        warmup_steps: Unprofiled watched steps before them.
+        device: Where to run.
+        top: How many functions to list.
+        console: Where to print.
+        dump: Where to save the raw stats (for snakeviz), or None.
+    """
+    work = build_workload(name, device)
+    plain = time_steps(work, max(steps // 2, 1), None, device) * 1e3
+    with graddebug.watch(work.model, **config.options) as dbg:
+        for _ in range(warmup_steps):
+            train_step(work, dbg)
+        _sync(device)
+        gc.collect()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            train_step(work, dbg)
+        _sync(device)
+        profiler.disable()
+    stats = pstats.Stats(profiler)
+    if dump is not None:
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        stats.dump_stats(str(dump))
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    total = stats.total_tt  # type: ignore[attr-defined]
+    per_step = total / steps * 1e3
+
+    console.rule(f"cProfile: {name}, config {config.label}, {steps} steps")
+    console.print(f"profiled watched step: {per_step:.2f} ms (cProfile inflates Python calls); "
+                  f"unprofiled plain step: {plain:.2f} ms")
+    table = Table(title=f"top {top} functions by tottime", title_justify="left")
+    for col in ("tottime ms/step", "% of step", "cumtime ms/step", "calls/step"):
+        table.add_column(col, justify="right")
+    table.add_column("function")
+    rows = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in rows:
+        where = _short(filename, line, func)
+        style = "bold" if _is_graddebug(filename) else ""
+        table.add_row(f"{tottime / steps * 1e3:.3f}", f"{100 * tottime / total:.1f}",
+                      f"{cumtime / steps * 1e3:.3f}", f"{ncalls / steps:.0f}",
+                      f"[{style}]{where}[/{style}]" if style else where)
+    console.print(table)
+
+    entries = Table(title="graddebug entry points (cumulative, kernels they launch included)",
+                    title_justify="left")
+    for col in ("cumtime ms/step", "% of step", "calls/step"):
+        entries.add_column(col, justify="right")
+    entries.add_column("function")
+    inclusive = 0.0
+    for (filename, line, func), (_cc, ncalls, _tt, cumtime, _callers) in raw.items():
+        if _is_graddebug(filename) and func in ENTRY_POINTS:
+            inclusive += cumtime
+            entries.add_row(f"{cumtime / steps * 1e3:.3f}", f"{100 * cumtime / total:.1f}",
+                            f"{ncalls / steps:.0f}", _short(filename, line, func))
+    own = sum(v[2] for k, v in raw.items() if _is_graddebug(k[0]))
+    console.print(entries)
+    console.print(f"graddebug inclusive: {inclusive / steps * 1e3:.2f} ms/step "
+                  f"({100 * inclusive / total:.1f}% of the profiled step); own Python "
+                  f"(tottime in graddebug files): {own / steps * 1e3:.2f} ms/step "
+                  f"({100 * own / total:.1f}%)")
+
+    callees = Table(title="graddebug's heaviest callees (tottime inside graddebug callers)",
+                    title_justify="left")
+    for col in ("ms/step", "% of step", "calls/step"):
+        callees.add_column(col, justify="right")
+    callees.add_column("function")
+    callees.add_column("called from")
+    inner: list[tuple[float, float, str, str]] = []
+    for (filename, line, func), (_cc, _n, _tt, _ct, callers) in raw.items():
+        if _is_graddebug(filename):
+            continue
+        for caller, (_ccc, nc, tt, _ctt) in callers.items():
+            if _is_graddebug(caller[0]):
+                inner.append((tt, nc, _short(filename, line, func), caller[2]))
+    for tt, nc, where, caller_name in sorted(inner, reverse=True)[:top]:
+        callees.add_row(f"{tt / steps * 1e3:.3f}", f"{100 * tt / total:.1f}",
+                        f"{nc / steps:.0f}", where, caller_name)
+    console.print(callees)
+
+
+def _short(filename: str, line: int, func: str) -> str:
+    if filename == "~":
+        return func
+    parts = Path(filename).parts
+    return f"{'/'.join(parts[-2:])}:{line}({func})"
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line.
+
+    Args:
+        argv: Arguments without the program name; None reads ``sys.argv``.
+
+    Returns:
+        The parsed options.
+    """
+    parser = argparse.ArgumentParser(
+        description="Step-time overhead of graddebug.watch on PyTorch (watched / plain).",
+    )
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per config")
+    parser.add_argument("--steps-per-round", type=int, default=10, help="steps in each round")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed rounds per config before the timed ones")
+    parser.add_argument("--workloads", default=None,
+                        help=f"comma-separated, from {','.join(WORKLOADS)} (default: all; "
+                             "with --profile: mlp)")
+    parser.add_argument("--configs", default="a,b",
+                        help="comma-separated, from a,b,c (c: b recording every 10th step)")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, cProfile one workload under the last of "
+                             "--configs (default: b)")
+    parser.add_argument("--profile-steps", type=int, default=30, help="steps under cProfile")
+    parser.add_argument("--top", type=int, default=25, help="functions listed by --profile")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps_per_round < 1 or args.warmup < 0:
+        parser.error("--rounds and --steps-per-round must be >= 1, --warmup >= 0")
+    names = args.workloads.split(",") if args.workloads else (
+        ["mlp"] if args.profile else list(WORKLOADS))
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown!r}; choose from {', '.join(WORKLOADS)}")
+    if args.profile and len(names) != 1:
+        parser.error("--profile takes exactly one workload, e.g. --workloads transformer")
+    args.workload_names = names
+    keys = args.configs.split(",")
+    args.config_list = [c for c in CONFIGS if c.key in keys]
+    if len(args.config_list) != len(keys):
+        parser.error(f"--configs {args.configs!r}: choose from a,b,c")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark (or the profile) and report.
+
+    Args:
+        argv: Arguments without the program name; None reads ``sys.argv``.
+
+    Returns:
+        The exit status: 0 (missing a target is reported, not an error).
+    """
+    args = parse_args(argv)
+    # Redirected output would otherwise wrap the table at 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    device = torch.device(args.device)
+    if args.profile:
+        name = args.workload_names[0]
+        dump = args.json.parent / f"profile_{name}_{args.config_list[-1].key}.prof"
+        profile_workload(name, args.config_list[-1], args.profile_steps, args.steps_per_round,
+                         device, args.top, console, dump)
+        console.print(f"raw stats: {dump}")
+        return 0
+
+    env = environment()
+    console.print(f"torch {env['torch']}, {env['torch_threads']} threads, device {device}; "
+                  f"{args.rounds} rounds x {args.steps_per_round} steps, "
+                  f"{args.warmup} warm-up round(s)")
+    results: list[Result] = []
+    for name in args.workload_names:
+        results += benchmark_workload(name, args.config_list, args.rounds, args.steps_per_round,
+                                      args.warmup, device, console)
+    title = (f"graddebug overhead, torch {env['torch']} on {device} "
+             f"({env['torch_threads']} threads), median of {args.rounds} rounds x "
+             f"{args.steps_per_round} steps")
+    console.print(results_table(results, title))
+    settings = {
+        "rounds": args.rounds,
+        "steps_per_round": args.steps_per_round,
+        "warmup_rounds": args.warmup,
+        "workloads": args.workload_names,
+        "configs": [c.key for c in args.config_list],
+        "device": str(device),
+    }
+    write_json(args.json, results, settings)
+    console.print(f"results: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
