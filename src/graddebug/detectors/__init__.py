@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["Evidence", "as_int", "fmt"]
+from graddebug.records import Finding, Issue, Severity
+
+__all__ = ["Evidence", "as_int", "finding", "fmt"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +70,14 @@ class Evidence:
 def as_int(value: Any) -> int:
     """Convert a pandas/numpy scalar (a step, a depth) to a Python int."""
     return int(value)
+
+
+def finding(issue: Issue, severity: Severity, step: Any, layer: Any, message: str, *,
+            tensor: Any = "", value: float = math.nan,
+            threshold: float = math.nan) -> Finding:
+    """Build a :class:`Finding` from pandas/numpy values, converting them to plain types."""
+    return Finding(as_int(step), str(layer), str(tensor), issue.value, severity.value,
+                   float(value), float(threshold), message)
 
 
 def fmt(value: float) -> str:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
 from graddebug.config import Thresholds
-from graddebug.detectors import Evidence, as_int
+from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
 from graddebug.records import EventKind, Finding, Issue, Severity
 
@@ -34,18 +32,13 @@ def _first_per_layer(rows: pd.DataFrame) -> pd.DataFrame:
 def _detached(events: pd.DataFrame) -> list[Finding]:
     rows = _first_per_layer(events[events["event"] == EventKind.DETACHED_OUTPUT.value])
     return [
-        Finding(
-            step=as_int(row.step),
-            layer=str(row.layer),
-            tensor=str(row.tensor),
-            issue=Issue.CUT_GRAPH.value,
-            severity=Severity.ERROR.value,
-            value=math.nan,
-            threshold=math.nan,
-            message=(
+        finding(
+            Issue.CUT_GRAPH, Severity.ERROR, row.step, row.layer,
+            (
                 f"gradient stops at {row.layer!r}: {_why(row.detail)}, so nothing upstream of "
                 f"it learns. Look for {_CAUSES} there."
             ),
+            tensor=row.tensor,
         )
         for row in rows.itertuples()
     ]
@@ -79,15 +72,9 @@ def _boundaries(evidence: Evidence) -> list[Finding]:
         ]
         if not cut_here.empty or first["layer"] in found:
             continue  # a detached output between them explains this cut better
-        found[first["layer"]] = Finding(
-            step=as_int(step),
-            layer=str(first["layer"]),
-            tensor="",
-            issue=Issue.CUT_GRAPH.value,
-            severity=Severity.ERROR.value,
-            value=math.nan,
-            threshold=math.nan,
-            message=(
+        found[first["layer"]] = finding(
+            Issue.CUT_GRAPH, Severity.ERROR, step, first["layer"],
+            (
                 f"gradient stops between {last_lost['layer']!r} and {first['layer']!r}: "
                 f"{first['layer']}'s input is detached, so {len(upstream)} layer(s) upstream "
                 f"get no gradient. Look for {_CAUSES} between them."
@@ -108,20 +95,15 @@ def _starved(events: pd.DataFrame) -> list[Finding]:
             what = f"parameters {', '.join(names)} of {layer!r}"
             verb, pronoun, them = "require", "they sit", "them"
         out.append(
-            Finding(
-                step=int(group["step"].min()),
-                layer=str(layer),
-                tensor=str(group["tensor"].iloc[0]),
-                issue=Issue.CUT_GRAPH.value,
-                severity=Severity.WARNING.value,
-                value=math.nan,
-                threshold=math.nan,
-                message=(
+            finding(
+                Issue.CUT_GRAPH, Severity.WARNING, group["step"].min(), layer,
+                (
                     f"{what} {verb} a gradient but got none in {group['step'].nunique()} "
                     f"step(s): {pronoun} upstream of a cut or the loss does not use {them}. "
                     f"If unused on purpose, freeze {them} "
                     "(requires_grad_(False) / trainable=False)."
                 ),
+                tensor=group["tensor"].iloc[0],
             )
         )
     return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from graddebug.config import Thresholds
-from graddebug.detectors import Evidence
+from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
 from graddebug.records import Finding, Issue, Severity
 
@@ -23,20 +23,15 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
             continue
         first = int(group.loc[group["zero_frac"] >= gamma, "step"].min())
         out.append(
-            Finding(
-                step=first,
-                layer=str(layer),
-                tensor=str(tensor),
-                issue=Issue.DEAD.value,
-                severity=Severity.WARNING.value,
-                value=median,
-                threshold=gamma,
-                message=(
+            finding(
+                Issue.DEAD, Severity.WARNING, first, layer,
+                (
                     f"{median:.0%} of the units of {layer!r} got an all-zero gradient over the "
                     f"whole batch (median over {group['step'].nunique()} steps): they are dead "
                     "and stop learning. Try a lower learning rate, LeakyReLU/GELU, He "
                     "initialisation, or a normalisation layer before the activation."
                 ),
+                tensor=tensor, value=median, threshold=gamma,
             )
         )
     return out

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from graddebug.config import Thresholds
-from graddebug.detectors import Evidence, fmt
+from graddebug.detectors import Evidence, finding, fmt
 from graddebug.detectors._depth import depth_ratio_hits
 from graddebug.hookspecs import hookimpl
 from graddebug.records import Finding, Issue, Severity
@@ -26,11 +26,11 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
         return []
     # One finding per layer: the rule that saw it first.
     found: dict[str, Finding] = {}
-    for finding in (*_magnitude(evidence, thresholds), *_depth(evidence, thresholds),
-                    *_growth(evidence, thresholds)):
-        known = found.get(finding.layer)
-        if known is None or finding.step < known.step:
-            found[finding.layer] = finding
+    for candidate in (*_magnitude(evidence, thresholds), *_depth(evidence, thresholds),
+                      *_growth(evidence, thresholds)):
+        known = found.get(candidate.layer)
+        if known is None or candidate.step < known.step:
+            found[candidate.layer] = candidate
     return list(found.values())
 
 
@@ -42,19 +42,14 @@ def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     for (layer, tensor), group in big.groupby(["layer", "tensor"], sort=False):
         worst = float(group["norm"].max())
         out.append(
-            Finding(
-                step=int(group["step"].min()),
-                layer=str(layer),
-                tensor=str(tensor),
-                issue=Issue.EXPLODING.value,
-                severity=Severity.WARNING.value,
-                value=worst,
-                threshold=limit,
-                message=(
+            finding(
+                Issue.EXPLODING, Severity.WARNING, group["step"].min(), layer,
+                (
                     f"gradient explodes at {layer!r} ({tensor}): norm up to {fmt(worst)}, above "
                     f"{limit:g}, in {group['step'].nunique()} of {evidence.steps()} steps. "
                     f"{_ADVICE}"
                 ),
+                tensor=tensor, value=worst, threshold=limit,
             )
         )
     return out
@@ -69,19 +64,15 @@ def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
         worse=operator.gt,
     )
     return [
-        Finding(
-            step=hit.first_step,
-            layer=hit.layer,
-            tensor="output" if evidence.basis == "activation" else "",
-            issue=Issue.EXPLODING.value,
-            severity=Severity.WARNING.value,
-            value=hit.worst,
-            threshold=limit,
-            message=(
+        finding(
+            Issue.EXPLODING, Severity.WARNING, hit.first_step, hit.layer,
+            (
                 f"gradient explodes towards the input at {hit.layer!r}: its norm is "
                 f"{fmt(hit.worst)} times that of the last layer {hit.last_layer!r} (threshold "
                 f"{limit:g}) in {hit.steps} of {evidence.steps()} steps. {_ADVICE}"
             ),
+            tensor="output" if evidence.basis == "activation" else "", value=hit.worst,
+            threshold=limit,
         )
         for hit in hits.values()
     ]
@@ -118,18 +109,13 @@ def _growth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
         if g > best:
             best_layer, best = str(layer), g
     return [
-        Finding(
-            step=step,
-            layer=best_layer,
-            tensor="",
-            issue=Issue.EXPLODING.value,
-            severity=Severity.WARNING.value,
-            value=growth,
-            threshold=factor,
-            message=(
+        finding(
+            Issue.EXPLODING, Severity.WARNING, step, best_layer,
+            (
                 f"the total gradient norm grew {fmt(growth)}-fold (median over {window} steps) "
                 f"by step {step}; {best_layer!r} grew the most ({fmt(best)}-fold). The run is "
                 f"diverging: {_ADVICE}"
             ),
+            value=growth, threshold=factor,
         )
     ]

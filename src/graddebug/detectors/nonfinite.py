@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
 from graddebug.config import Thresholds
-from graddebug.detectors import Evidence
+from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
 from graddebug.records import EventKind, Finding, Issue, Severity
 
@@ -32,15 +30,15 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     # Only the first broken step has a meaningful origin: once an optimizer applies a NaN
     # update, every later step is NaN everywhere.
     for step in steps:
-        finding = _origin(int(step), bad_rows[bad_rows["step"] == step],
-                          forward[forward["step"] == step], records[records["step"] == step])
-        if finding is not None:
+        origin = _origin(int(step), bad_rows[bad_rows["step"] == step],
+                         forward[forward["step"] == step], records[records["step"] == step])
+        if origin is not None:
             later = len(steps) - 1
             if later:
-                finding = finding._replace(
-                    message=f"{finding.message} {later} later step(s) were non-finite too."
+                origin = origin._replace(
+                    message=f"{origin.message} {later} later step(s) were non-finite too."
                 )
-            return [finding]
+            return [origin]
     return []
 
 
@@ -53,19 +51,14 @@ def _origin(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
             step_rows: pd.DataFrame) -> Finding | None:
     if not forward.empty:
         first = forward.sort_values("depth", kind="stable").iloc[0]
-        return Finding(
-            step=step,
-            layer=str(first["layer"]),
-            tensor=str(first["tensor"]),
-            issue=Issue.NONFINITE.value,
-            severity=Severity.ERROR.value,
-            value=math.nan,
-            threshold=math.nan,
-            message=(
+        return finding(
+            Issue.NONFINITE, Severity.ERROR, step, first["layer"],
+            (
                 f"{first['layer']!r} is the first layer whose output held {first['detail']} in "
                 f"the forward pass (step {step}); every gradient behind it is poisoned. "
                 f"{_FORWARD_ADVICE}"
             ),
+            tensor=first["tensor"],
         )
     if bad.empty:
         return None
@@ -82,18 +75,13 @@ def _origin(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
                 if previous is not None
                 else "at the layer closest to the loss: check the loss itself. "
             )
-            return Finding(
-                step=step,
-                layer=str(row.layer),
-                tensor=str(row.tensor),
-                issue=Issue.NONFINITE.value,
-                severity=Severity.ERROR.value,
-                value=math.nan,
-                threshold=math.nan,
-                message=(
+            return finding(
+                Issue.NONFINITE, Severity.ERROR, step, row.layer,
+                (
                     f"gradient first becomes {_what(bad)} at {where} (step {step}), {after}"
                     f"{_BACKWARD_ADVICE}"
                 ),
+                tensor=row.tensor,
             )
         previous = row.layer
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 
 from graddebug.config import Thresholds
-from graddebug.detectors import Evidence, fmt
+from graddebug.detectors import Evidence, finding, fmt
 from graddebug.detectors._depth import depth_ratio_hits
 from graddebug.hookspecs import hookimpl
 from graddebug.records import Finding, Issue, Severity
@@ -31,19 +31,14 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     total = evidence.steps()
     kind = evidence.basis
     findings = [
-        Finding(
-            step=hit.first_step,
-            layer=hit.layer,
-            tensor="output" if kind == "activation" else "",
-            issue=Issue.VANISHING.value,
-            severity=Severity.WARNING.value,
-            value=hit.worst,
-            threshold=ratio_t,
-            message=(
+        finding(
+            Issue.VANISHING, Severity.WARNING, hit.first_step, hit.layer,
+            (
                 f"gradient vanishes at {hit.layer!r}: its norm is {fmt(hit.worst)} times that "
                 f"of the last layer {hit.last_layer!r} (threshold {ratio_t:g}) in {hit.steps} "
                 f"of {total} steps. {_ADVICE}"
             ),
+            tensor="output" if kind == "activation" else "", value=hit.worst, threshold=ratio_t,
         )
         for hit in hits.values()
     ]
@@ -59,18 +54,13 @@ def _floor(evidence: Evidence, thresholds: Thresholds, exclude: set[str]) -> lis
     floor = thresholds.vanishing_floor
     low = medians[(medians["norm"] > 0) & (medians["norm"] < floor)].sort_values("depth")
     return [
-        Finding(
-            step=int(row.step),
-            layer=str(layer),
-            tensor="",
-            issue=Issue.VANISHING.value,
-            severity=Severity.WARNING.value,
-            value=float(row.norm),
-            threshold=floor,
-            message=(
+        finding(
+            Issue.VANISHING, Severity.WARNING, row.step, layer,
+            (
                 f"gradient at {layer!r} is vanishingly small: median norm {fmt(row.norm)} over "
                 f"the recorded steps, below {floor:g}. {_ADVICE}"
             ),
+            value=row.norm, threshold=floor,
         )
         for layer, row in low.iterrows()
         if layer not in exclude
