@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ class Evidence:
 
     records: pd.DataFrame
     events: pd.DataFrame
+    _norms: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def basis(self) -> str:
@@ -48,9 +49,11 @@ class Evidence:
             Columns ``step, layer, depth, norm``, sorted by step then depth. Layers whose
             depth is unknown (-1) are left out.
         """
-        return self._layer_norms(kind or self.basis)
+        kind = kind or self.basis
+        if kind not in self._norms:
+            self._norms[kind] = self._layer_norms(kind)
+        return self._norms[kind]
 
-    @functools.cache  # noqa: B019 - Evidence is short-lived and immutable
     def _layer_norms(self, kind: str) -> pd.DataFrame:
         rows = self.records[(self.records["kind"] == kind) & (self.records["depth"] >= 0)]
         pooled = (
