@@ -25,9 +25,18 @@ def test_demo_rejects_a_non_positive_step_count(capsys) -> None:
 
 def test_demo_findings_match_the_library(capsys) -> None:
     pytest.importorskip("torch")
-    from graddebug.demo import run_demo
+    from graddebug_torch.demo import run_demo
 
     dbg = run_demo(steps=3)
     found = dbg.findings()
     assert set(found["issue"]) == {"vanishing"}
     assert "0" in set(found["layer"])
+
+
+def test_demo_without_torch_names_the_install_command(capsys, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "graddebug_torch.demo", None)  # import now fails
+    assert cli.main(["demo"]) == 2
+    out = capsys.readouterr().out
+    assert "pip install graddebug[torch]" in out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graddebug.demo import build_sigmoid_mlp
+from graddebug_torch.demo import build_sigmoid_mlp
 
 
 def relu_mlp(depth: int = 6, width: int = 64, inputs: int = 32, classes: int = 10,

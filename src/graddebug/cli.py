@@ -26,11 +26,11 @@ SUMMARY_COLUMNS = ("layer", "tensor", "kind", "depth", "norm_median", "norm_min"
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
     try:
-        from graddebug.demo import run_demo
-    except ImportError as exc:  # torch missing
+        from graddebug_torch.demo import run_demo
+    except ImportError as exc:  # torch or the torch adapter missing
         raise MissingFrameworkError(
-            f"graddebug demo trains a small torch model and needs torch ({exc}); "
-            "install it with: pip install graddebug[torch]"
+            f"graddebug demo trains a small torch model and needs torch and the torch "
+            f"adapter ({exc}); install them with: pip install graddebug[torch]"
         ) from exc
     started = time.perf_counter()
     with console.status(f"training a 12-layer sigmoid MLP for {args.steps} steps..."):

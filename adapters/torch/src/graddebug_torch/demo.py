@@ -1,6 +1,7 @@
 """The built-in demonstration: a deep sigmoid MLP whose first layers get no gradient.
 
-Importing this module imports torch; the CLI imports it only when ``graddebug demo`` runs.
+The CLI imports this module only when ``graddebug demo`` runs, so that the core never imports
+torch.
 """
 
 from __future__ import annotations
