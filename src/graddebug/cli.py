@@ -13,6 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from rich.console import Console
+from rich.markup import escape
 
 from graddebug.console import print_frame
 from graddebug.errors import GradDebugError, MissingFrameworkError
@@ -70,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args, console)
     except GradDebugError as exc:
-        console.print(f"[bold red]error:[/bold red] {exc}")
+        # The message may hold brackets ("graddebug[torch]") that rich would read as markup.
+        console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
         return 2
     return code
 
