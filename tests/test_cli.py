@@ -40,3 +40,14 @@ def test_demo_without_torch_names_the_install_command(capsys, monkeypatch) -> No
     assert cli.main(["demo"]) == 2
     out = capsys.readouterr().out
     assert "pip install graddebug[torch]" in out
+
+
+def test_tables_print_brackets_literally() -> None:
+    import pandas as pd
+    from rich.console import Console
+
+    from graddebug.console import print_frame
+
+    console = Console(width=120, record=True)
+    print_frame(console, pd.DataFrame({"layer": ["blocks[0].fc"], "norm": [1.5]}), "t")
+    assert "blocks[0].fc" in console.export_text()

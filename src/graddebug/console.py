@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["frame_table", "print_frame"]
@@ -19,7 +20,7 @@ def _cell(value: object) -> str:
         if value == 0 or 1e-3 <= abs(value) < 1e4:
             return f"{value:.4g}"
         return f"{value:.2e}"
-    return str(value)
+    return escape(str(value))  # layer names and messages are text, not rich markup
 
 
 def frame_table(frame: pd.DataFrame, title: str, columns: Sequence[str] | None = None) -> Table:
