@@ -34,8 +34,6 @@ from graddebug_torch.step import Capture, ParamGrad, ParamRow, StepState, gather
 
 __all__ = ["TorchAdapter"]
 
-Key = tuple[str, str]
-
 # Modules whose 3-D outputs are (batch, channels, length); other 3-D outputs are
 # (batch, sequence, features) and their units lie on the last axis.
 _CHANNELS_FIRST: tuple[type[nn.Module], ...] = (
@@ -290,11 +288,7 @@ class TorchAdapter:
                 "objects only."
             )
         if not self._ctx.recording or not torch.is_grad_enabled():
-            if intervention is not None and intervention.active and tensor.requires_grad:
-                # Interventions act on every step, recorded or not.
-                self._state.handles.append(
-                    tensor.register_hook(functools.partial(self._intervene, intervention, name))
-                )
+            self._intervene_unrecorded(tensor, intervention, name)
             return tensor
         layer = self._layers.get(name)
         if layer is None:
@@ -323,11 +317,9 @@ class TorchAdapter:
     def _on_forward(self, layer: _Layer, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self._ctx
         if not ctx.recording or not torch.is_grad_enabled():
-            if layer.intervention is not None and layer.intervention.active:
-                for _, t in _flatten(output):
-                    if t.requires_grad:
-                        self._state.handles.append(t.register_hook(functools.partial(
-                            self._intervene, layer.intervention, layer.name)))
+            if layer.intervention is not None:  # keep unrecorded steps free of work otherwise
+                for _, tensor in _flatten(output):
+                    self._intervene_unrecorded(tensor, layer.intervention, layer.name)
             return
         try:
             if layer.depth < 0:
@@ -383,6 +375,13 @@ class TorchAdapter:
                 "(e.g. shape (1, features)) or a callable grad -> grad."
             )
         layer.mask_checked = True
+
+    def _intervene_unrecorded(self, tensor: Tensor, spec: Intervention | None,
+                              name: str) -> None:
+        """Interventions act on every step: on steps ``every=`` skips, alter without recording."""
+        if spec is not None and spec.active and tensor.requires_grad:
+            hook = functools.partial(self._intervene, spec, name)
+            self._state.handles.append(tensor.register_hook(hook))
 
     def _intervene(self, spec: Intervention, name: str, grad: Tensor) -> Tensor:
         try:
