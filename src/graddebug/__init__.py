@@ -30,6 +30,7 @@ from graddebug.hookspecs import hookimpl
 from graddebug.interventions import Intervention
 from graddebug.plugins import get_plugin_manager
 from graddebug.records import Finding, Issue, Severity
+from graddebug.report import Report
 from graddebug.session import Watcher, watch
 
 __version__ = "0.1.0"
@@ -46,6 +47,7 @@ __all__ = [
     "MaskShapeError",
     "MissingFrameworkError",
     "NoAdapterError",
+    "Report",
     "Severity",
     "Thresholds",
     "UnknownNameError",

@@ -26,6 +26,8 @@ class WatchOptions:
         outputs: Capture the gradient at layer outputs (False records parameters only).
         param_stats: ``"norm"`` computes only the norm of parameter gradients (one fused pass);
             ``"full"`` adds mean, std and absmax.
+        optimizer: The user's optimizer; when given, the adapter closes a step each time the
+            optimizer applies gradients (and, in TensorFlow, takes the gradients from it).
     """
 
     layers: Sequence[Any] | None = None
@@ -33,6 +35,7 @@ class WatchOptions:
     intervene: Mapping[str, Intervention] = field(default_factory=dict)
     outputs: bool = True
     param_stats: Literal["norm", "full"] = "norm"
+    optimizer: Any = None
 
 
 @dataclass
@@ -57,6 +60,9 @@ class WatchContext(Protocol):
 
     def internal_error(self, exc: BaseException, where: str) -> None:
         """Report a bug caught inside a hook: record it, or raise when ``strict=True``."""
+
+    def step(self, grads: Sequence[Any] | None = None) -> None:
+        """Close the open step, as the user's ``Watcher.step`` does (used by optimizer hooks)."""
 
 
 class Adapter(Protocol):
@@ -97,6 +103,26 @@ class Adapter(Protocol):
 
     def known_names(self) -> list[str]:
         """Every layer and tap name seen so far, for suggestions in error messages."""
+
+    def train_step(
+        self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any
+    ) -> Sequence[Any] | None:
+        """Run one forward and backward pass for ``graddebug.check``.
+
+        Computes ``loss_fn(model(inputs), *loss_args)``, back-propagates it, applies
+        ``optimizer`` when one is given, and leaves the step open.
+
+        Returns:
+            The parameter gradients to hand to ``close_step``, or None where the framework
+            stores them on the parameters.
+        """
+
+    def callback(self, **options: Any) -> Any:
+        """Return the framework's training callback (a Keras callback for ``model.fit``).
+
+        Raises:
+            ConfigError: The framework has no such callback.
+        """
 
 
 class AdapterFactory(Protocol):

@@ -14,7 +14,6 @@ import pluggy
 
 from graddebug.adapter import Adapter, StepResult, WatchOptions
 from graddebug.config import Thresholds
-from graddebug.detectors import Evidence
 from graddebug.errors import (
     ConfigError,
     GradDebugInternalError,
@@ -24,10 +23,11 @@ from graddebug.errors import (
     WatcherStateError,
     close_matches,
 )
-from graddebug.frames import event_frame, finding_frame, record_frame, summary_frame
+from graddebug.frames import event_frame, record_frame, summary_frame
 from graddebug.interventions import Intervention, parse_interventions
 from graddebug.plugins import get_plugin_manager
 from graddebug.records import Event, Finding, Issue, Record, Severity
+from graddebug.report import Report, diagnose
 
 __all__ = ["Watcher", "watch"]
 
@@ -57,6 +57,7 @@ class Watcher:
         every: int = 1,
         outputs: bool = True,
         param_stats: Literal["norm", "full"] = "norm",
+        optimizer: Any = None,
         thresholds: Thresholds | Mapping[str, float] | None = None,
         strict: bool = False,
         plugin_manager: pluggy.PluginManager | None = None,
@@ -83,6 +84,7 @@ class Watcher:
             intervene=parse_interventions(intervene),
             outputs=outputs,
             param_stats=param_stats,
+            optimizer=optimizer,
         )
         self._pm = plugin_manager or get_plugin_manager()
         self._adapter: Adapter | None = None
@@ -308,6 +310,42 @@ class Watcher:
             self._adapter.attach()
         return self._adapter.tap(tensor, name, intervention)
 
+    def callback(self, **options: Any) -> Any:
+        """Return a training callback bound to this Watcher (a Keras callback for
+        ``model.fit``), which closes a step after each batch.
+
+        Args:
+            **options: Options of the framework's callback, e.g. ``stop_on=("nonfinite",)``.
+
+        Raises:
+            WatcherStateError: Called outside the ``with`` block, or without a model.
+            ConfigError: The framework has no such callback.
+        """
+        if not self._active or self._adapter is None:
+            raise WatcherStateError(
+                "callback() needs an active Watcher with a model: "
+                "`with graddebug.watch(model) as dbg: model.fit(..., callbacks=[dbg.callback()])`."
+            )
+        return self._adapter.callback(**options)
+
+    def train_step(
+        self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any = None
+    ) -> None:
+        """Run one forward/backward pass of the watched model and close the step.
+
+        This is what :func:`graddebug.check` repeats; ``loss_fn(model(inputs), *loss_args)``
+        is the loss. When the Watcher was given ``optimizer=``, its step closes the step.
+
+        Raises:
+            WatcherStateError: Called outside the ``with`` block, or without a model.
+        """
+        if not self._active or self._adapter is None:
+            raise WatcherStateError("train_step() needs an active Watcher with a model.")
+        before = self._step
+        grads = self._adapter.train_step(inputs, loss_args, loss_fn, optimizer)
+        if self._step == before:
+            self._close(grads)
+
     # -- results -----------------------------------------------------------------------------
 
     def frame(self) -> pd.DataFrame:
@@ -331,13 +369,13 @@ class Watcher:
         """Return one row per diagnosis: ``step, layer, tensor, issue, severity, value,
         threshold, message``. Empty for a healthy model."""
         if "findings" not in self._cache:
-            evidence = Evidence(records=self.frame(), events=self.events())
-            found: list[Finding] = list(self._internal)
-            for batch in self._pm.hook.graddebug_findings(
-                evidence=evidence, thresholds=self.thresholds
-            ):
-                found.extend(batch)
-            self._cache["findings"] = finding_frame(found)
+            self._cache["findings"] = diagnose(
+                self.frame(),
+                self.events(),
+                self.thresholds,
+                extra=self._internal,
+                plugin_manager=self._pm,
+            )
         return self._cache["findings"]
 
     def summary(self) -> pd.DataFrame:
@@ -345,6 +383,20 @@ class Watcher:
         if "summary" not in self._cache:
             self._cache["summary"] = summary_frame(self.frame(), self.findings())
         return self._cache["summary"]
+
+    def report(self, metadata: Mapping[str, Any] | None = None) -> Report:
+        """Return the run so far as a :class:`Report`, which outlives the model.
+
+        Args:
+            metadata: Extra facts to store with the run.
+        """
+        return Report(
+            self.frame(),
+            self.events(),
+            self.findings(),
+            thresholds=self.thresholds,
+            metadata=metadata,
+        )
 
     def tensors(self, step: int | None = None) -> dict[str, np.ndarray]:
         """Return the full gradients kept by ``keep=`` at one step.
@@ -410,6 +462,8 @@ def watch(model: Any = None, **options: Any) -> Watcher:
             - ``every``: record one step in ``every``.
             - ``outputs``: False records parameters only.
             - ``param_stats``: ``"norm"`` (default) or ``"full"`` for parameter statistics.
+            - ``optimizer``: the optimizer; each of its steps closes a graddebug step, so the
+              loop needs no ``dbg.step()``.
             - ``thresholds``: a :class:`Thresholds` or a dict of threshold overrides.
             - ``strict``: raise on a bug inside a hook instead of recording it.
             - ``plugin_manager``: use this pluggy manager instead of the default one.

@@ -280,6 +280,34 @@ class TorchAdapter:
             names += [self._name(n) for n, _ in self._model.named_modules()]
         return list(dict.fromkeys(names))
 
+    def train_step(
+        self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any
+    ) -> Sequence[Any] | None:
+        """Zero the gradients, run ``loss_fn(model(inputs), *loss_args).backward()``, and step
+        ``optimizer`` when given. Gradients stay on ``p.grad`` for ``close_step``."""
+        model = self._model
+        if model is None:
+            raise ConfigError("train_step needs a model; watch(model) was given none.")
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), *loss_args)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ConfigError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}."
+            )
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        return None
+
+    def callback(self, **options: Any) -> Any:
+        """Torch has no ``model.fit``: point to the Lightning callback instead."""
+        raise ConfigError(
+            "dbg.callback() serves Keras' model.fit. For a Lightning Trainer use "
+            "graddebug_torch.lightning.GradDebugCallback; for a plain loop pass "
+            "watch(model, optimizer=opt) or call dbg.step()."
+        )
+
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
         """Hook ``tensor`` so that its gradient is recorded (and altered) under ``name``."""
         if not isinstance(tensor, Tensor):
