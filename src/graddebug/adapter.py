@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import numpy as np
+import pandas as pd
 
 from graddebug.interventions import Intervention
 from graddebug.records import Event, Record
@@ -28,6 +29,7 @@ class WatchOptions:
             ``"full"`` adds mean, std and absmax.
         optimizer: The user's optimizer; when given, the adapter closes a step each time the
             optimizer applies gradients (and, in TensorFlow, takes the gradients from it).
+        every: Record one step in ``every`` (steps 0, every, 2*every, ...).
     """
 
     layers: Sequence[Any] | None = None
@@ -36,6 +38,7 @@ class WatchOptions:
     outputs: bool = True
     param_stats: Literal["norm", "full"] = "norm"
     optimizer: Any = None
+    every: int = 1
 
 
 @dataclass
@@ -63,6 +66,9 @@ class WatchContext(Protocol):
 
     def step(self, grads: Sequence[Any] | None = None) -> None:
         """Close the open step, as the user's ``Watcher.step`` does (used by optimizer hooks)."""
+
+    def findings(self) -> pd.DataFrame:
+        """The findings so far (used by callbacks that stop training on a finding)."""
 
 
 class Adapter(Protocol):

@@ -8,6 +8,7 @@ from these plain tuples.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import NamedTuple
 
@@ -63,6 +64,40 @@ class Record(NamedTuple):
     nan: bool
     inf: bool
     pre_norm: float = float("nan")
+
+    @classmethod
+    def from_sums(
+        cls,
+        step: int,
+        layer: str,
+        tensor: str,
+        kind: str,
+        depth: int,
+        shape: str,
+        numel: int,
+        *,
+        norm: float,
+        total: float,
+        absmax: float,
+        zero_frac: float,
+        nan: bool,
+        inf: bool,
+        pre_norm: float = float("nan"),
+    ) -> Record:
+        """Build a record from the sums adapters accumulate: the mean is ``total / numel`` and
+        the population std follows from the norm and the mean, with no extra pass.
+
+        Args:
+            total: Sum of the entries (NaN where not measured).
+            norm: L2 norm, i.e. the square root of the sum of squares.
+            inf: Reported as False when ``nan`` is True (NaN wins).
+            (the others as in the class attributes)
+        """
+        mean = total / numel if numel else math.nan
+        var = norm * norm / numel - mean * mean if numel else math.nan
+        std = math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.nan
+        return cls(step, layer, tensor, kind, depth, shape, numel, norm, mean, std,
+                   absmax, zero_frac, nan, inf and not nan, pre_norm)
 
 
 RECORD_COLUMNS: tuple[str, ...] = Record._fields[:-1]

@@ -251,11 +251,9 @@ def _param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
 def _record(step: int, layer: str, tensor: str, kind: str, depth: int, shape: str,
             numel: int, norm: float, total: float, absmax: float, zero_frac: float,
             nan: bool, inf: bool, pre_norm: float = math.nan) -> Record:
-    mean = total / numel if numel else math.nan
-    var = norm * norm / numel - mean * mean if numel else math.nan
-    std = math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.nan
-    return Record(step, layer, tensor, kind, depth, shape, numel, norm, mean, std,
-                  absmax, zero_frac, nan, inf and not nan, pre_norm)
+    return Record.from_sums(step, layer, tensor, kind, depth, shape, numel, norm=norm,
+                            total=total, absmax=absmax, zero_frac=zero_frac, nan=nan, inf=inf,
+                            pre_norm=pre_norm)
 
 
 def _dense(grad: Tensor) -> Tensor:

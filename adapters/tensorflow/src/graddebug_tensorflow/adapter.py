@@ -1,0 +1,720 @@
+"""The TensorFlow/Keras adapter: layer calls wrapped in a custom-gradient identity.
+
+Each watched layer's ``call`` is replaced, on the instance, by a wrapper that passes every
+floating output through a ``tf.custom_gradient`` identity. Its gradient function applies the
+interventions and writes the gradient's statistics into TF state (:mod:`.buffers`), so the same
+code records in eager mode, inside a ``tf.function`` and inside ``model.fit``. Parameter
+gradients are those handed to ``Watcher.step(grads)``, or those the optimizer applies. Closing a
+step reads every buffer with one transfer and clears it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from graddebug.adapter import StepResult, WatchContext, WatchOptions
+from graddebug.errors import (
+    ConfigError,
+    GradDebugError,
+    GradientCountError,
+    MaskShapeError,
+    UnknownNameError,
+    close_matches,
+)
+from graddebug.interventions import Intervention
+from graddebug_tensorflow.buffers import StateBuffers
+from graddebug_tensorflow.records import param_records, step_records
+from graddebug_tensorflow.stats import (
+    Col,
+    activation_row,
+    apply_intervention,
+    forward_row,
+    param_row,
+)
+
+__all__ = ["TensorFlowAdapter"]
+
+try:  # whether a tape records an eager op: skips work for forward passes nobody differentiates
+    from tensorflow.python.eager.record import should_record_backprop as _taped
+except ImportError:  # pragma: no cover - older TF: treat every eager output as taped
+
+    def _taped(tensors: Sequence[Any]) -> bool:
+        return True
+
+
+_COMPILED = ("train_function", "test_function", "predict_function")
+
+
+@dataclass
+class Layer:
+    """A watched layer, tap or ``params=`` entry."""
+
+    name: str
+    channels_first: bool = False
+    keep: bool = False
+    intervention: Intervention | None = None
+    capture: bool = True
+    depth: int = -1
+    mask_checked: bool = False
+
+
+@dataclass
+class Slot:
+    """The buffer row of one (layer, output, call index)."""
+
+    layer: Layer
+    tensor: str
+    ordinal: int
+    var: tf.Variable
+    row: int
+    index: int
+    keep_var: tf.Variable | None = None
+
+
+@dataclass
+class Param:
+    """A watched trainable variable, at ``index`` in the list step(grads) aligns with."""
+
+    layer: str
+    tensor: str
+    var: Any
+    index: int
+    chain: tuple[str, ...]
+    keep: bool
+    keep_var: tf.Variable | None = None
+
+
+@dataclass
+class _Patch:
+    obj: Any
+    attr: str
+    had: bool
+    old: Any
+
+    def undo(self) -> None:
+        if self.had:
+            object.__setattr__(self.obj, self.attr, self.old)
+        elif self.attr in vars(self.obj):
+            object.__delattr__(self.obj, self.attr)
+
+
+@dataclass
+class _StepFlags:
+    eager_calls: dict[tuple[str, str], int] = field(default_factory=dict)
+    grads_given: bool = False
+    optimizer_applied: bool = False
+
+
+class TensorFlowAdapter:
+    """Watches a Keras model or layer, named variables (``params=``), and taps."""
+
+    name = "tensorflow"
+
+    def __init__(
+        self,
+        context: WatchContext,
+        model: Any,
+        params: Mapping[str, Any] | None,
+        options: WatchOptions,
+    ) -> None:
+        if model is not None:
+            if not isinstance(model, keras.layers.Layer):
+                raise ConfigError(
+                    f"the TensorFlow adapter watches Keras models and layers, not "
+                    f"{type(model).__name__}; pass variables as params={{'name': v}} or use tap()."
+                )
+            if keras.backend.backend() != "tensorflow":
+                raise ConfigError(
+                    f"Keras runs on the {keras.backend.backend()!r} backend; graddebug's "
+                    "TensorFlow adapter needs KERAS_BACKEND=tensorflow."
+                )
+        self._ctx = context
+        self._model = model
+        self._options = options
+        self._buffers = StateBuffers()
+        self._layers: dict[str, Layer] = {}
+        self._targets: dict[str, Any] = {}  # layer name -> keras layer
+        self._parents: dict[str, str] = {}
+        self._owners: dict[int, tuple[str, str]] = {}  # id(variable) -> (layer, short name)
+        self._given_params = dict(params or {})
+        self._params: list[Param] | None = None
+        self._aligned: list[Any] = []
+        self._param_index: dict[int, int] = {}
+        self._slots: dict[tuple[str, str, int], Slot] = {}
+        self._graph_calls: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], int]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._patches: list[_Patch] = []
+        self._wrapped_optimizers: set[int] = set()
+        self._flags = _StepFlags()
+        self._matched: set[str] = set()
+        self._next_depth = 0
+        self._recording_var: tf.Variable | None = None
+        self.last_result = StepResult()
+        self._resolve()
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def _resolve(self) -> None:
+        options = self._options
+        wanted = set(options.keep) | set(options.intervene)
+        if self._model is not None:
+            named = self._named_layers()
+            selected = self._select(named, options.layers)
+            for extra in wanted & named.keys():
+                selected.setdefault(extra, named[extra])
+            for name, layer in selected.items():
+                self._targets[name] = layer
+                intervention = options.intervene.get(name)
+                keep = name in options.keep
+                self._layers[name] = Layer(
+                    name=name,
+                    channels_first=getattr(layer, "data_format", None) == "channels_first",
+                    keep=keep,
+                    intervention=intervention,
+                    capture=options.outputs or keep or intervention is not None,
+                )
+            self._matched |= wanted & named.keys()
+        for key, value in self._given_params.items():
+            if not isinstance(value, (tf.Variable, keras.Variable)):
+                raise ConfigError(
+                    f"params[{key!r}] is a {type(value).__name__}, not a tf.Variable or "
+                    f"keras.Variable; for an intermediate tensor use tap(t, {key!r})."
+                )
+            self._layers.setdefault(key, Layer(name=key, depth=self._take_depth()))
+            if key in wanted:
+                self._matched.add(key)
+
+    def _named_layers(self) -> dict[str, Any]:
+        """Every layer below the model, by a unique name (``outer/inner`` on a clash)."""
+        named: dict[str, Any] = {}
+        model = self._model
+
+        def walk(layer: Any, parent: str | None) -> None:
+            for child in _children(layer):
+                if isinstance(child, keras.layers.InputLayer):
+                    continue
+                name = child.name
+                if name in named and named[name] is not child:
+                    name = f"{parent}/{child.name}" if parent else child.name
+                if name in named:
+                    continue
+                named[name] = child
+                if parent is not None:
+                    self._parents[name] = parent
+                walk(child, name)
+
+        walk(model, None)
+        if not named:  # a bare layer: it is its own leaf
+            named[model.name] = model
+        for name, layer in [(model.name, model), *named.items()]:
+            for var in getattr(layer, "_trainable_variables", []):
+                self._owners.setdefault(id(var), (name, _short(var)))
+        return named
+
+    def _select(self, named: dict[str, Any], layers: Sequence[Any] | None) -> dict[str, Any]:
+        if layers is None:
+            leaves = {n: layer for n, layer in named.items() if not _children(layer)}
+            return leaves or dict(named)
+        selected: dict[str, Any] = {}
+        for spec in layers:
+            if isinstance(spec, type):
+                hits = {n: layer for n, layer in named.items() if isinstance(layer, spec)}
+                what = f"layers= type {spec.__name__}"
+            elif isinstance(spec, str) and any(c in spec for c in "*?["):
+                hits = {n: layer for n, layer in named.items() if fnmatch.fnmatchcase(n, spec)}
+                what = f"layers= pattern {spec!r}"
+            elif isinstance(spec, str):
+                hits = {spec: named[spec]} if spec in named else {}
+                what = f"layers= name {spec!r}"
+            else:
+                raise ConfigError(
+                    f"layers= entry {spec!r} must be a layer name, a glob or a layer type."
+                )
+            if not hits:
+                hint = close_matches(spec, named) if isinstance(spec, str) else ""
+                raise UnknownNameError(
+                    f"{what} matches no layer of {type(self._model).__name__}.{hint} "
+                    f"Layers: {', '.join(list(named)[:20])}."
+                )
+            selected.update(hits)
+        return selected
+
+    def _take_depth(self) -> int:
+        depth = self._next_depth
+        self._next_depth += 1
+        return depth
+
+    def _ensure_params(self) -> list[Param]:
+        """Resolve the watched variables once they exist (a model builds on its first call)."""
+        if self._params is not None and (self._params or self._model is None):
+            return self._params
+        if self._given_params:
+            aligned = list(self._given_params.values())
+            names = [(key, key) for key in self._given_params]
+        elif self._model is not None:
+            aligned = list(self._model.trainable_variables)
+            names = [self._owners.get(id(v), ("", _short(v))) for v in aligned]
+            if any(not layer for layer, _ in names):
+                self._named_layers()  # variables created after watch() began
+                names = [self._owners.get(id(v), (self._model.name, _short(v))) for v in aligned]
+        else:
+            aligned, names = [], []
+        chosen = None if self._options.layers is None else set(self._targets)
+        params: list[Param] = []
+        for index, (var, (layer, short)) in enumerate(zip(aligned, names, strict=True)):
+            chain = (layer, *self._ancestors(layer))
+            if chosen is not None and not chosen.intersection(chain):
+                continue
+            params.append(
+                Param(layer, short, var, index, chain, keep=layer in self._options.keep)
+            )
+        if params:
+            with tf.init_scope():
+                for p in params:
+                    if p.keep:
+                        p.keep_var = _shapeless_variable(f"graddebug_keep_{p.layer}_{p.tensor}")
+            self._buffers.ensure_params(len(params))
+        self._aligned = aligned
+        self._param_index = {id(p.var): i for i, p in enumerate(params)}
+        self._params = params
+        return params
+
+    def _ancestors(self, name: str) -> Iterator[str]:
+        while name in self._parents:
+            name = self._parents[name]
+            yield name
+
+    # -- Adapter protocol ---------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Wrap every watched layer's ``call`` and the optimizer; drop Keras' compiled
+        functions so that ``fit``/``evaluate``/``predict`` trace the wrapped calls."""
+        if self._options.every > 1:
+            self._recording_var = tf.Variable(True, trainable=False, name="graddebug_recording")
+        # State created now, eagerly, spares the user's tf.function a second trace.
+        self._buffers.reserve(sum(layer.capture for layer in self._layers.values()))
+        self._ensure_params()
+        for name, target in self._targets.items():
+            self._patch(target, "call", self._wrap_call(self._layers[name], target.call))
+        if self._model is not None:
+            self._reset_compiled()
+        if self._options.optimizer is not None:
+            self.wrap_optimizer(self._options.optimizer)
+
+    def detach(self) -> None:
+        """Restore every ``call`` and optimizer method, and drop the functions Keras compiled
+        while they were wrapped."""
+        for patch in reversed(self._patches):
+            patch.undo()
+        self._patches.clear()
+        self._wrapped_optimizers.clear()
+        if self._model is not None:
+            self._reset_compiled()
+        self._flags = _StepFlags()
+
+    def _patch(self, obj: Any, attr: str, value: Any) -> None:
+        had = attr in vars(obj)
+        self._patches.append(_Patch(obj, attr, had, vars(obj).get(attr)))
+        object.__setattr__(obj, attr, value)
+
+    def _reset_compiled(self) -> None:
+        for attr in _COMPILED:
+            if getattr(self._model, attr, None) is not None:
+                setattr(self._model, attr, None)
+
+    def wrap_optimizer(self, optimizer: Any) -> None:
+        """Take parameter gradients from ``optimizer.apply`` (the inner optimizer of a
+        ``LossScaleOptimizer``, whose gradients are already unscaled)."""
+        target = getattr(optimizer, "inner_optimizer", None) or optimizer
+        if id(target) in self._wrapped_optimizers:
+            return
+        if not callable(getattr(target, "apply", None)):
+            raise ConfigError(
+                f"optimizer={optimizer!r} is not a Keras optimizer (it has no apply method)."
+            )
+        original = target.apply
+
+        @functools.wraps(original)
+        def apply(grads: Any, trainable_variables: Any = None) -> Any:
+            grads = list(grads)
+            variables = (
+                list(trainable_variables)
+                if trainable_variables is not None
+                else list(getattr(target, "_trainable_variables", []))
+            )
+            self._on_apply(grads, variables)
+            return original(grads, trainable_variables)
+
+        self._patch(target, "apply", apply)
+        self._wrapped_optimizers.add(id(target))
+
+    def has_pending(self) -> bool:
+        """Whether a gradient was recorded since the last step closed."""
+        if self._flags.grads_given or self._flags.optimizer_applied:
+            return True
+        if not self._slots and self._params is None:
+            return False
+        acts, params = self._buffers.peek()
+        return bool((acts[:, Col.BWD] > 0).any() or (params[:, 0] > 0).any())
+
+    def matched_names(self) -> set[str]:
+        """Names from ``keep=``/``intervene=`` that matched a layer, a param key or a tap."""
+        return set(self._matched)
+
+    def known_names(self) -> list[str]:
+        """Every watched layer, model layer and tap name."""
+        names = list(self._layers)
+        if self._model is not None:
+            names += list(self._named_layers())
+        return list(dict.fromkeys(names))
+
+    def train_step(
+        self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any
+    ) -> Sequence[Any] | None:
+        """One eager ``GradientTape`` step: ``loss_fn(model(inputs, training=True),
+        *loss_args)``, its gradients, and ``optimizer.apply_gradients`` when given."""
+        model = self._model
+        if model is None:
+            raise ConfigError("train_step needs a model; watch(model) was given none.")
+        with tf.GradientTape() as tape:
+            loss = loss_fn(model(inputs, training=True), *loss_args)
+        if tf.size(loss) != 1:
+            raise ConfigError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}.")
+        variables = list(self._given_params.values()) or list(model.trainable_variables)
+        grads = tape.gradient(loss, variables)
+        if optimizer is not None:
+            optimizer.apply_gradients(
+                [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
+            )
+        return list(grads)
+
+    def callback(self, **options: Any) -> Any:
+        """A Keras callback for ``model.fit`` that closes a step after each batch."""
+        from graddebug_tensorflow.callback import GradDebugCallback
+
+        return GradDebugCallback(self, self._ctx, **options)
+
+    # -- layer outputs and taps -----------------------------------------------------------
+
+    def _wrap_call(self, layer: Layer, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._on_output(layer, original(*args, **kwargs))
+
+        return call
+
+    def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
+        """Pass ``tensor`` through the identity that records (and alters) its gradient."""
+        if not isinstance(tensor, (tf.Tensor, tf.Variable, keras.Variable)):
+            raise ConfigError(
+                f"tap({type(tensor).__name__}, {name!r}): the TensorFlow adapter taps "
+                "tf.Tensor and variables only."
+            )
+        if isinstance(tensor, (tf.Variable, keras.Variable)):
+            tensor = tf.convert_to_tensor(tensor)
+        layer = self._layers.get(name)
+        if layer is None:
+            layer = self._layers[name] = Layer(name=name, keep=name in self._options.keep)
+        if name in self._options.keep or name in self._options.intervene:
+            self._matched.add(name)
+        layer.intervention = intervention
+        return self._on_output(layer, tensor)
+
+    def _on_output(self, layer: Layer, output: Any) -> Any:
+        try:
+            leaves = tf.nest.flatten(output)
+            if not any(_differentiable(t) for t in leaves):
+                return output  # symbolic (KerasTensor) or integer outputs
+            eager = tf.executing_eagerly()
+            if eager and not _taped([t for t in leaves if _differentiable(t)]):
+                return output  # no tape watches this forward pass
+            if layer.depth < 0:
+                layer.depth = self._take_depth()
+            names = _leaf_names(output, len(leaves))
+            new = [
+                self._watch(layer, tname, t, eager) if _differentiable(t) else t
+                for tname, t in zip(names, leaves, strict=True)
+            ]
+            return tf.nest.pack_sequence_as(output, new)
+        except GradDebugError:
+            raise
+        except Exception as exc:  # fail-open: a graddebug bug must not stop training
+            self._ctx.internal_error(exc, layer.name)
+            return output
+
+    def _watch(self, layer: Layer, tname: str, tensor: tf.Tensor, eager: bool) -> tf.Tensor:
+        spec = layer.intervention
+        if spec is not None and spec.mask is not None and not spec.mask_is_callable:
+            self._check_mask(layer, tensor, spec.mask)
+        record = layer.capture and (not eager or self._ctx.recording)
+        if not record and (spec is None or not spec.active):
+            return tensor
+        slot = self._slot(layer, tname, eager) if record else None
+        if slot is not None:
+            slot.var[slot.row, Col.FWD : Col.BWD].assign(forward_row(tensor))
+        unit_axis = _unit_axis(tensor.shape.rank, layer.channels_first)
+
+        @tf.custom_gradient
+        def identity(x: tf.Tensor) -> Any:
+            def grad(dy: tf.Tensor) -> tf.Tensor:
+                return self._on_grad(layer, slot, spec, unit_axis, dy)
+
+            return tf.identity(x), grad
+
+        return identity(tensor)
+
+    def _slot(self, layer: Layer, tname: str, eager: bool) -> Slot:
+        if eager:
+            calls = self._flags.eager_calls
+        else:
+            calls = self._graph_calls.setdefault(tf.compat.v1.get_default_graph(), {})
+        ordinal = calls.get((layer.name, tname), 0)
+        calls[(layer.name, tname)] = ordinal + 1
+        key = (layer.name, tname, ordinal)
+        slot = self._slots.get(key)
+        if slot is None:
+            var, row, index = self._buffers.new_row()
+            slot = Slot(layer, tname, ordinal, var, row, index)
+            if layer.keep:
+                with tf.init_scope():
+                    slot.keep_var = _shapeless_variable(f"graddebug_keep_{len(self._slots)}")
+            self._slots[key] = slot
+        return slot
+
+    def _check_mask(self, layer: Layer, tensor: tf.Tensor, mask: Any) -> None:
+        if layer.mask_checked:
+            return
+        shape = tuple(getattr(mask, "shape", ()))
+        target = tuple(tensor.shape)
+        if not isinstance(mask, (tf.Tensor, tf.Variable, np.ndarray)) or not _broadcasts(
+            shape, target
+        ):
+            raise MaskShapeError(
+                f"the mask for {layer.name!r} has shape {shape} but the gradient there has "
+                f"shape {target}; give a tensor that broadcasts to it (e.g. shape "
+                "(1, features)) or a callable grad -> grad."
+            )
+        layer.mask_checked = True
+
+    def _on_grad(
+        self,
+        layer: Layer,
+        slot: Slot | None,
+        spec: Intervention | None,
+        unit_axis: int | None,
+        dy: tf.Tensor,
+    ) -> tf.Tensor:
+        new = dy
+        if spec is not None and spec.active:
+            new = self._intervene(spec, layer.name, dy)
+        if slot is None:
+            return new
+        try:
+            pre = dy if new is not dy else None
+
+            def write() -> tf.Tensor:
+                slot.var[slot.row, Col.BWD :].assign(activation_row(new, unit_axis, pre))
+                if slot.keep_var is not None:
+                    slot.keep_var.assign(new)
+                return tf.constant(True)
+
+            self._when_recording(write)
+        except GradDebugError:
+            raise
+        except Exception as exc:  # fail-open
+            self._ctx.internal_error(exc, layer.name)
+        return new
+
+    def _when_recording(self, write: Callable[[], tf.Tensor]) -> None:
+        """Run ``write`` now (eager), or on recorded steps only (a graph, with ``every=``)."""
+        if self._recording_var is None or tf.executing_eagerly():
+            write()
+        else:
+            tf.cond(self._recording_var, write, lambda: tf.constant(False))
+
+    def _intervene(self, spec: Intervention, name: str, grad: tf.Tensor) -> tf.Tensor:
+        try:
+            out = apply_intervention(grad, spec)
+        except GradDebugError:
+            raise
+        except Exception as exc:
+            if spec.mask_is_callable:
+                raise  # the user's own mask function failed: theirs to see
+            self._ctx.internal_error(exc, name)  # fail-open: the gradient flows on unaltered
+            return grad
+        if not isinstance(out, tf.Tensor) or (
+            out.shape.is_fully_defined()
+            and grad.shape.is_fully_defined()
+            and out.shape != grad.shape
+        ):
+            got = tuple(out.shape) if isinstance(out, tf.Tensor) else type(out).__name__
+            raise MaskShapeError(
+                f"the mask callable for {name!r} returned {got} for a gradient of shape "
+                f"{tuple(grad.shape)}; it must return a tensor of the same shape."
+            )
+        return out
+
+    # -- parameter gradients ------------------------------------------------------------
+
+    def _on_apply(self, grads: list[Any], variables: list[Any]) -> None:
+        try:
+            params = self._ensure_params()
+            pairs = [
+                (self._param_index[id(v)], g)
+                for g, v in zip(grads, variables, strict=False)
+                if id(v) in self._param_index
+            ]
+            if tf.executing_eagerly() and not self._ctx.recording:
+                return
+            self._flags.optimizer_applied = True
+            if pairs:
+                self._when_recording(lambda: self._write_params(params, pairs))
+        except GradDebugError:
+            raise
+        except Exception as exc:  # fail-open
+            self._ctx.internal_error(exc, "optimizer")
+
+    def _write_params(self, params: list[Param], pairs: list[tuple[int, Any]]) -> tf.Tensor:
+        present = [(i, g) for i, g in pairs if g is not None]
+        buffer = self._buffers.params
+        if not present or buffer is None:
+            return tf.constant(False)
+        full = self._options.param_stats == "full"
+        rows = tf.stack([param_row(g, full) for _, g in present])
+        buffer.scatter_nd_update([[i] for i, _ in present], rows)
+        for i, g in present:
+            keep_var = params[i].keep_var
+            if keep_var is not None:
+                keep_var.assign(tf.convert_to_tensor(g))
+        return tf.constant(True)
+
+    def _write_given(self, grads: Sequence[Any]) -> None:
+        params = self._ensure_params()
+        if len(grads) != len(self._aligned):
+            what = "params= entries" if self._given_params else "model.trainable_variables"
+            raise GradientCountError(
+                f"step() got {len(grads)} gradients but there are {len(self._aligned)} "
+                f"{what}; pass tape.gradient(loss, {what.split(' ')[0]}) in that order."
+            )
+        present = [(i, grads[p.index]) for i, p in enumerate(params)]
+        present = [(i, g) for i, g in present if g is not None]
+        buffer = self._buffers.params
+        if not present or buffer is None:
+            return
+        rows = _param_rows([g for _, g in present], self._options.param_stats == "full")
+        buffer.scatter_nd_update([[i] for i, _ in present], rows)
+        for i, g in present:
+            keep_var = params[i].keep_var
+            if keep_var is not None:
+                keep_var.assign(tf.convert_to_tensor(g))
+
+    # -- closing a step -----------------------------------------------------------------
+
+    def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
+        """Read and clear the buffers (one transfer) and turn them into records."""
+        try:
+            if grads is not None:
+                grads = list(grads)
+                if record:
+                    self._write_given(grads)
+                else:
+                    self._ensure_params()
+                    if len(grads) != len(self._aligned):
+                        self._write_given(grads)  # raises the count error
+            params = self._ensure_params()
+            if not record:
+                self._buffers.clear()
+                self.last_result = StepResult()
+                return self.last_result
+            acts, prows = self._buffers.read_and_clear()
+            result = step_records(step, list(self._slots.values()), acts)
+            source = grads is not None or self._flags.optimizer_applied
+            param_records(step, params, prows, result, source, self._param_depth)
+            self.last_result = result
+            return result
+        finally:
+            self._flags = _StepFlags()
+            if self._recording_var is not None:
+                self._recording_var.assign((step + 1) % self._options.every == 0)
+
+    def _param_depth(self, param: Param) -> int:
+        for name in param.chain:
+            layer = self._layers.get(name)
+            if layer is not None and layer.depth >= 0:
+                return layer.depth
+        return -1
+
+
+@functools.partial(tf.function, reduce_retracing=True, autograph=False)
+def _param_rows(grads: list[Any], full: bool) -> tf.Tensor:
+    """The rows of gradients handed to ``step(grads)``: one compiled call, not ops per tensor."""
+    return tf.stack([param_row(g, full) for g in grads])
+
+
+def _children(layer: Any) -> list[Any]:
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def _short(var: Any) -> str:
+    return str(var.name).rsplit("/", 1)[-1].split(":", 1)[0]
+
+
+def _shapeless_variable(name: str) -> tf.Variable:
+    return tf.Variable(
+        tf.zeros([0]), shape=tf.TensorShape(None), validate_shape=False, trainable=False,
+        name=name,
+    )
+
+
+def _differentiable(value: Any) -> bool:
+    return isinstance(value, tf.Tensor) and value.dtype.is_floating and not isinstance(
+        value, keras.KerasTensor
+    )
+
+
+def _leaf_names(output: Any, count: int) -> list[str]:
+    """``"output"`` for a single tensor, else ``"output.<path>"`` per leaf, in tf.nest order
+    (sequences by index, dicts by sorted key)."""
+    if count == 1 and not tf.nest.is_nested(output):
+        return ["output"]
+    names = ["output" + path for path in _paths(output)]
+    return names if len(names) == count else [f"output.{i}" for i in range(count)]
+
+
+def _paths(value: Any) -> Iterator[str]:
+    if isinstance(value, Mapping):
+        items: Iterable[tuple[Any, Any]] = ((k, value[k]) for k in sorted(value))
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        yield ""
+        return
+    for key, item in items:
+        for rest in _paths(item):
+            yield f".{key}{rest}"
+
+
+def _unit_axis(rank: int | None, channels_first: bool) -> int | None:
+    if rank is None or rank < 2:
+        return None
+    return 1 if channels_first else rank - 1
+
+
+def _broadcasts(shape: tuple[Any, ...], target: tuple[Any, ...]) -> bool:
+    if len(shape) > len(target):
+        return False
+    for have, want in zip(reversed(shape), reversed(target), strict=False):
+        if have not in (1, want) and want is not None:
+            return False
+    return True
+

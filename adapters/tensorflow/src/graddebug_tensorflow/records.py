@@ -1,0 +1,116 @@
+"""Buffer rows of one step, read back on the host, turned into records and events."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from graddebug.adapter import StepResult
+from graddebug.records import Event, EventKind, Record
+from graddebug_tensorflow.stats import Col
+
+if TYPE_CHECKING:
+    from graddebug_tensorflow.adapter import Param, Slot
+
+__all__ = ["param_records", "step_records"]
+
+
+def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray) -> StepResult:
+    """Records, events and kept gradients of the layer outputs and taps of one step.
+
+    Args:
+        step: Index of the step.
+        slots: Every slot handed out so far, in creation order.
+        acts: The activation rows, indexed by ``Slot.index``.
+    """
+    result = StepResult()
+    groups: dict[tuple[str, str], list[Slot]] = {}
+    for slot in slots:
+        groups.setdefault((slot.layer.name, slot.tensor), []).append(slot)
+    for (name, tname), members in groups.items():
+        layer = members[0].layer
+        ran = [s for s in members if acts[s.index, Col.FWD] > 0]
+        reached = [s for s in members if acts[s.index, Col.BWD] > 0]
+        sums = [acts[s.index, Col.FWD_SUM] for s in ran]
+        broken = [v for v in sums if not math.isfinite(v)]
+        if broken:
+            result.events.append(Event(step, name, tname, layer.depth,
+                                       EventKind.FORWARD_NONFINITE.value,
+                                       "NaN" if any(math.isnan(v) for v in broken) else "Inf"))
+        if not reached:
+            if ran:
+                result.events.append(Event(step, name, tname, layer.depth,
+                                           EventKind.UNREACHED.value))
+            continue
+        result.records.append(_activation(step, name, tname, layer.depth,
+                                          [acts[s.index] for s in reached]))
+        for s in reached:
+            if s.keep_var is not None:
+                label = name if tname == "output" else f"{name}.{tname}"
+                if s.ordinal:
+                    label = f"{label}#{s.ordinal}"
+                result.kept[label] = s.keep_var.numpy().copy()
+    return result
+
+
+def _activation(step: int, layer: str, tname: str, depth: int,
+                rows: list[np.ndarray]) -> Record:
+    sq = sum(float(r[Col.SQ]) for r in rows)
+    total = sum(float(r[Col.SUM]) for r in rows)
+    absmaxes = [float(r[Col.ABSMAX]) for r in rows]
+    absmax = math.nan if any(math.isnan(a) for a in absmaxes) else max(absmaxes)
+    pre = [float(r[Col.PRE_SQ]) for r in rows if r[Col.PRE_SQ] >= 0 or math.isnan(r[Col.PRE_SQ])]
+    # A unit is dead only if it is dead in every call; per-call counts bound that from above.
+    dead = [(r[Col.UNITS] - r[Col.LIVE]) / r[Col.UNITS] for r in rows if r[Col.UNITS] > 0]
+    first = rows[0]
+    rank = int(first[Col.RANK])
+    dims = tuple(int(d) for d in first[Col.DIMS : Col.DIMS + rank])
+    return Record.from_sums(
+        step, layer, tname, "activation", depth, str(dims),
+        int(sum(r[Col.NUMEL] for r in rows)),
+        norm=math.sqrt(sq) if sq >= 0 else math.nan,
+        total=total,
+        absmax=absmax,
+        zero_frac=float(min(dead)) if dead else math.nan,
+        nan=math.isnan(sq) or math.isnan(absmax),
+        inf=math.isinf(absmax),
+        pre_norm=math.sqrt(sum(pre)) if pre else math.nan,
+    )
+
+
+def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: StepResult,
+                  source: bool, depth: Callable[[Param], int]) -> None:
+    """Add the records of parameter gradients to ``result``.
+
+    Args:
+        step: Index of the step.
+        params: The watched parameters, in buffer order.
+        rows: The parameter rows.
+        result: The step's result, extended in place.
+        source: Whether gradients were handed over this step (by ``step(grads)`` or the
+            optimizer); only then is a parameter without one reported as starved.
+        depth: The depth of a parameter's layer.
+    """
+    for p, row in zip(params, rows, strict=False):
+        if row[0] <= 0:
+            if source:
+                result.events.append(Event(step, p.layer, p.tensor, depth(p),
+                                           EventKind.NO_GRAD.value))
+            continue
+        sq, total, absmax = float(row[1]), float(row[2]), float(row[3])
+        shape = tuple(int(d) for d in p.var.shape)
+        result.records.append(Record.from_sums(
+            step, p.layer, p.tensor, "parameter", depth(p), str(shape),
+            int(np.prod(shape, dtype=np.int64)),
+            norm=math.sqrt(sq) if sq >= 0 else math.nan,
+            total=total,
+            absmax=absmax,
+            zero_frac=math.nan,
+            nan=math.isnan(sq),
+            inf=math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sq),
+        ))
+        if p.keep_var is not None:
+            result.kept[f"{p.layer}.{p.tensor}"] = p.keep_var.numpy().copy()

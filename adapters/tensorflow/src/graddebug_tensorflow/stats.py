@@ -1,0 +1,140 @@
+"""Gradient statistics as TF ops, laid out as rows of the adapter's state buffers.
+
+The ops run wherever the gradient is computed: eagerly, inside a ``tf.function`` trace, or in
+the graph ``model.fit`` compiles. A gradient costs four reductions: the sum of squares
+(``l2_loss``, one fused kernel with no squared temporary), the sum, and the per-unit max and
+min. The per-unit extremes give ``absmax`` and the number of live units. NaN propagates through
+all four, so no entry is counted unless asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from graddebug.interventions import Intervention
+
+__all__ = [
+    "ACT_WIDTH",
+    "MAX_DIMS",
+    "PARAM_WIDTH",
+    "Col",
+    "activation_row",
+    "apply_intervention",
+    "forward_row",
+    "param_row",
+    "square_sum",
+]
+
+MAX_DIMS = 6
+"""Dimensions of a gradient's shape stored in its row; deeper shapes store the first ones."""
+
+
+class Col:
+    """Column indices of an activation row."""
+
+    FWD = 0  # 1 once the layer ran forward in the step
+    FWD_SUM = 1  # sum of the forward output: non-finite iff the output is
+    BWD = 2  # 1 once a gradient reached the output
+    SQ = 3
+    SUM = 4
+    ABSMAX = 5
+    LIVE = 6  # units whose gradient is non-zero somewhere in the batch (-1 without units)
+    UNITS = 7
+    PRE_SQ = 8  # sum of squares before an intervention (-1 when none acted)
+    NUMEL = 9
+    RANK = 10
+    DIMS = 11
+
+
+ACT_WIDTH = Col.DIMS + MAX_DIMS
+PARAM_WIDTH = 4  # written, sum of squares, sum, absmax
+_ROW = tf.float64
+
+
+def square_sum(grad: tf.Tensor) -> tf.Tensor:
+    """Sum of squares of ``grad``, in float32 or wider, with no gradient-sized temporary."""
+    wide = grad if grad.dtype in (tf.float32, tf.float64) else tf.cast(grad, tf.float32)
+    return 2.0 * tf.nn.l2_loss(wide)
+
+
+def _scalar(value: Any) -> tf.Tensor:
+    return tf.cast(value, _ROW)
+
+
+def forward_row(output: tf.Tensor) -> tf.Tensor:
+    """``[1, sum(output)]``: the forward flag and the one-reduction finiteness check."""
+    wide = output if output.dtype in (tf.float32, tf.float64) else tf.cast(output, tf.float32)
+    return tf.stack([tf.constant(1.0, _ROW), _scalar(tf.reduce_sum(wide))])
+
+
+def activation_row(grad: tf.Tensor, unit_axis: int | None, pre: tf.Tensor | None) -> tf.Tensor:
+    """Columns ``BWD`` to the end of an activation row for ``grad``.
+
+    Args:
+        grad: The gradient as it flows on (after any intervention).
+        unit_axis: The axis of units (features, channels), or None for no unit axis.
+        pre: The gradient before an intervention, or None when none acted.
+    """
+    wide = grad if grad.dtype in (tf.float32, tf.float64) else tf.cast(grad, tf.float32)
+    rank = wide.shape.rank
+    if unit_axis is not None and rank is not None and rank >= 2:
+        axes = [a for a in range(rank) if a != unit_axis]
+        per_unit = tf.maximum(tf.reduce_max(wide, axes), -tf.reduce_min(wide, axes))
+        absmax = tf.reduce_max(per_unit)
+        live = _scalar(tf.math.count_nonzero(per_unit))
+        units = _scalar(tf.size(per_unit))
+    else:
+        absmax = tf.maximum(tf.reduce_max(wide), -tf.reduce_min(wide))
+        live = units = tf.constant(-1.0, _ROW)
+    shape = tf.shape(wide, out_type=tf.int64)
+    dims = tf.pad(shape[:MAX_DIMS], [[0, MAX_DIMS - tf.minimum(tf.size(shape), MAX_DIMS)]])
+    head = tf.stack([
+        tf.constant(1.0, _ROW),
+        _scalar(square_sum(grad)),
+        _scalar(tf.reduce_sum(wide)),
+        _scalar(absmax),
+        live,
+        units,
+        _scalar(square_sum(pre)) if pre is not None else tf.constant(-1.0, _ROW),
+        _scalar(tf.size(wide, out_type=tf.int64)),
+        _scalar(tf.size(shape)),
+    ])
+    return tf.concat([head, _scalar(dims)], 0)
+
+
+def param_row(grad: Any, full: bool) -> tf.Tensor:
+    """``[1, sum of squares, sum, absmax]`` of a parameter gradient (sum and absmax NaN unless
+    ``full``). ``tf.IndexedSlices`` are measured on their stored rows."""
+    if isinstance(grad, tf.IndexedSlices):
+        grad = grad.values
+    nan = tf.constant(float("nan"), _ROW)
+    if full:
+        wide = grad if grad.dtype in (tf.float32, tf.float64) else tf.cast(grad, tf.float32)
+        total = _scalar(tf.reduce_sum(wide))
+        absmax = _scalar(tf.maximum(tf.reduce_max(wide), -tf.reduce_min(wide)))
+    else:
+        total = absmax = nan
+    return tf.stack([tf.constant(1.0, _ROW), _scalar(square_sum(grad)), total, absmax])
+
+
+def apply_intervention(grad: tf.Tensor, spec: Intervention) -> tf.Tensor:
+    """Apply mask, scale, clip-by-value and clip-by-norm, in that order."""
+    out = grad
+    if spec.mask is not None:
+        if spec.mask_is_callable:
+            out = spec.mask(out)
+        else:
+            mask = tf.cast(spec.mask, tf.bool)
+            out = tf.where(mask, out, tf.zeros_like(out))
+    if spec.scale is not None:
+        out = out * tf.cast(spec.scale, out.dtype)
+    if spec.clip_value is not None:
+        out = tf.clip_by_value(out, -spec.clip_value, spec.clip_value)
+    if spec.clip_norm is not None:
+        # g * min(1, c / ||g||), as the core documents: no epsilon, exactly g below c.
+        norm = tf.sqrt(square_sum(out))
+        factor = tf.minimum(tf.constant(1.0, norm.dtype), spec.clip_norm / norm)
+        out = out * tf.cast(factor, out.dtype)
+    return out
