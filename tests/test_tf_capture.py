@@ -11,7 +11,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import graddebug  # noqa: E402
-from tf_models import TwoTower, batches, relu_mlp, res_cnn, train, xent  # noqa: E402
+from tf_models import TwoTower, batches, relu_mlp, res_cnn, train  # noqa: E402
 
 
 def leaf_names(model) -> list[str]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import tensorflow as tf
-import keras
 
 
 def relu_mlp(depth: int = 6, width: int = 64, inputs: int = 32, classes: int = 10,
@@ -92,7 +92,7 @@ def train(model: keras.Model, data, dbg=None, lr: float = 0.05, compiled: bool =
         with tf.GradientTape() as tape:
             loss = xent(model(x, training=True), y)
         grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return grads
 
     if compiled:
