@@ -81,13 +81,6 @@ def test_callback_needs_an_active_watcher_and_known_stop_reasons():
         dbg.callback()
 
 
-def test_torch_model_callback_points_to_lightning():
-    torch = pytest.importorskip("torch")
-    with graddebug.watch(torch.nn.Linear(2, 2)) as dbg, \
-            pytest.raises(ConfigError, match="Lightning"):
-        dbg.callback()
-
-
 def broken(*args, **kwargs):
     raise ZeroDivisionError("bug inside graddebug")
 

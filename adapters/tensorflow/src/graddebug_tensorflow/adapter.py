@@ -10,7 +10,6 @@ step reads every buffer with one transfer and clears it.
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -22,24 +21,13 @@ import numpy as np
 import tensorflow as tf
 
 from graddebug.adapter import StepResult, WatchContext, WatchOptions
-from graddebug.errors import (
-    ConfigError,
-    GradDebugError,
-    GradientCountError,
-    MaskShapeError,
-    UnknownNameError,
-    close_matches,
-)
+from graddebug.errors import ConfigError, GradDebugError, MaskShapeError
 from graddebug.interventions import Intervention
-from graddebug_tensorflow.buffers import StateBuffers
+from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
+from graddebug_tensorflow.model import LayerIndex
+from graddebug_tensorflow.params import Param, ParamSet
 from graddebug_tensorflow.records import param_records, step_records
-from graddebug_tensorflow.stats import (
-    Col,
-    activation_row,
-    apply_intervention,
-    forward_row,
-    param_row,
-)
+from graddebug_tensorflow.stats import Col, activation_row, apply_intervention, forward_row
 
 __all__ = ["TensorFlowAdapter"]
 
@@ -81,19 +69,6 @@ class Slot:
 
 
 @dataclass
-class Param:
-    """A watched trainable variable, at ``index`` in the list step(grads) aligns with."""
-
-    layer: str
-    tensor: str
-    var: Any
-    index: int
-    chain: tuple[str, ...]
-    keep: bool
-    keep_var: tf.Variable | None = None
-
-
-@dataclass
 class _Patch:
     obj: Any
     attr: str
@@ -110,7 +85,6 @@ class _Patch:
 @dataclass
 class _StepFlags:
     eager_calls: dict[tuple[str, str], int] = field(default_factory=dict)
-    grads_given: bool = False
     optimizer_applied: bool = False
 
 
@@ -141,14 +115,9 @@ class TensorFlowAdapter:
         self._model = model
         self._options = options
         self._buffers = StateBuffers()
+        self._index = LayerIndex(model) if model is not None else None
         self._layers: dict[str, Layer] = {}
         self._targets: dict[str, Any] = {}  # layer name -> keras layer
-        self._parents: dict[str, str] = {}
-        self._owners: dict[int, tuple[str, str]] = {}  # id(variable) -> (layer, short name)
-        self._given_params = dict(params or {})
-        self._params: list[Param] | None = None
-        self._aligned: list[Any] = []
-        self._param_index: dict[int, int] = {}
         self._slots: dict[tuple[str, str, int], Slot] = {}
         self._graph_calls: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], int]] = (
             weakref.WeakKeyDictionary()
@@ -160,16 +129,21 @@ class TensorFlowAdapter:
         self._next_depth = 0
         self._recording_var: tf.Variable | None = None
         self.last_result = StepResult()
-        self._resolve()
+        self._resolve(params or {})
+        self._params = ParamSet(
+            self._buffers, self._index, params or {},
+            None if options.layers is None else list(self._targets),
+            options.keep, options.param_stats == "full",
+        )
 
     # -- set-up ----------------------------------------------------------------------------
 
-    def _resolve(self) -> None:
+    def _resolve(self, params: Mapping[str, Any]) -> None:
         options = self._options
         wanted = set(options.keep) | set(options.intervene)
-        if self._model is not None:
-            named = self._named_layers()
-            selected = self._select(named, options.layers)
+        if self._index is not None:
+            named = self._index.named
+            selected = self._index.select(options.layers)
             for extra in wanted & named.keys():
                 selected.setdefault(extra, named[extra])
             for name, layer in selected.items():
@@ -184,115 +158,15 @@ class TensorFlowAdapter:
                     capture=options.outputs or keep or intervention is not None,
                 )
             self._matched |= wanted & named.keys()
-        for key, value in self._given_params.items():
-            if not isinstance(value, (tf.Variable, keras.Variable)):
-                raise ConfigError(
-                    f"params[{key!r}] is a {type(value).__name__}, not a tf.Variable or "
-                    f"keras.Variable; for an intermediate tensor use tap(t, {key!r})."
-                )
+        for key in params:
             self._layers.setdefault(key, Layer(name=key, depth=self._take_depth()))
             if key in wanted:
                 self._matched.add(key)
-
-    def _named_layers(self) -> dict[str, Any]:
-        """Every layer below the model, by a unique name (``outer/inner`` on a clash)."""
-        named: dict[str, Any] = {}
-        model = self._model
-
-        def walk(layer: Any, parent: str | None) -> None:
-            for child in _children(layer):
-                if isinstance(child, keras.layers.InputLayer):
-                    continue
-                name = child.name
-                if name in named and named[name] is not child:
-                    name = f"{parent}/{child.name}" if parent else child.name
-                if name in named:
-                    continue
-                named[name] = child
-                if parent is not None:
-                    self._parents[name] = parent
-                walk(child, name)
-
-        walk(model, None)
-        if not named:  # a bare layer: it is its own leaf
-            named[model.name] = model
-        for name, layer in [(model.name, model), *named.items()]:
-            for var in getattr(layer, "_trainable_variables", []):
-                self._owners.setdefault(id(var), (name, _short(var)))
-        return named
-
-    def _select(self, named: dict[str, Any], layers: Sequence[Any] | None) -> dict[str, Any]:
-        if layers is None:
-            leaves = {n: layer for n, layer in named.items() if not _children(layer)}
-            return leaves or dict(named)
-        selected: dict[str, Any] = {}
-        for spec in layers:
-            if isinstance(spec, type):
-                hits = {n: layer for n, layer in named.items() if isinstance(layer, spec)}
-                what = f"layers= type {spec.__name__}"
-            elif isinstance(spec, str) and any(c in spec for c in "*?["):
-                hits = {n: layer for n, layer in named.items() if fnmatch.fnmatchcase(n, spec)}
-                what = f"layers= pattern {spec!r}"
-            elif isinstance(spec, str):
-                hits = {spec: named[spec]} if spec in named else {}
-                what = f"layers= name {spec!r}"
-            else:
-                raise ConfigError(
-                    f"layers= entry {spec!r} must be a layer name, a glob or a layer type."
-                )
-            if not hits:
-                hint = close_matches(spec, named) if isinstance(spec, str) else ""
-                raise UnknownNameError(
-                    f"{what} matches no layer of {type(self._model).__name__}.{hint} "
-                    f"Layers: {', '.join(list(named)[:20])}."
-                )
-            selected.update(hits)
-        return selected
 
     def _take_depth(self) -> int:
         depth = self._next_depth
         self._next_depth += 1
         return depth
-
-    def _ensure_params(self) -> list[Param]:
-        """Resolve the watched variables once they exist (a model builds on its first call)."""
-        if self._params is not None and (self._params or self._model is None):
-            return self._params
-        if self._given_params:
-            aligned = list(self._given_params.values())
-            names = [(key, key) for key in self._given_params]
-        elif self._model is not None:
-            aligned = list(self._model.trainable_variables)
-            names = [self._owners.get(id(v), ("", _short(v))) for v in aligned]
-            if any(not layer for layer, _ in names):
-                self._named_layers()  # variables created after watch() began
-                names = [self._owners.get(id(v), (self._model.name, _short(v))) for v in aligned]
-        else:
-            aligned, names = [], []
-        chosen = None if self._options.layers is None else set(self._targets)
-        params: list[Param] = []
-        for index, (var, (layer, short)) in enumerate(zip(aligned, names, strict=True)):
-            chain = (layer, *self._ancestors(layer))
-            if chosen is not None and not chosen.intersection(chain):
-                continue
-            params.append(
-                Param(layer, short, var, index, chain, keep=layer in self._options.keep)
-            )
-        if params:
-            with tf.init_scope():
-                for p in params:
-                    if p.keep:
-                        p.keep_var = _shapeless_variable(f"graddebug_keep_{p.layer}_{p.tensor}")
-            self._buffers.ensure_params(len(params))
-        self._aligned = aligned
-        self._param_index = {id(p.var): i for i, p in enumerate(params)}
-        self._params = params
-        return params
-
-    def _ancestors(self, name: str) -> Iterator[str]:
-        while name in self._parents:
-            name = self._parents[name]
-            yield name
 
     # -- Adapter protocol ---------------------------------------------------------------
 
@@ -303,7 +177,7 @@ class TensorFlowAdapter:
             self._recording_var = tf.Variable(True, trainable=False, name="graddebug_recording")
         # State created now, eagerly, spares the user's tf.function a second trace.
         self._buffers.reserve(sum(layer.capture for layer in self._layers.values()))
-        self._ensure_params()
+        self._params.resolve()
         for name, target in self._targets.items():
             self._patch(target, "call", self._wrap_call(self._layers[name], target.call))
         if self._model is not None:
@@ -360,10 +234,8 @@ class TensorFlowAdapter:
 
     def has_pending(self) -> bool:
         """Whether a gradient was recorded since the last step closed."""
-        if self._flags.grads_given or self._flags.optimizer_applied:
+        if self._flags.optimizer_applied:
             return True
-        if not self._slots and self._params is None:
-            return False
         acts, params = self._buffers.peek()
         return bool((acts[:, Col.BWD] > 0).any() or (params[:, 0] > 0).any())
 
@@ -374,8 +246,8 @@ class TensorFlowAdapter:
     def known_names(self) -> list[str]:
         """Every watched layer, model layer and tap name."""
         names = list(self._layers)
-        if self._model is not None:
-            names += list(self._named_layers())
+        if self._index is not None:
+            names += list(self._index.named)
         return list(dict.fromkeys(names))
 
     def train_step(
@@ -390,7 +262,8 @@ class TensorFlowAdapter:
             loss = loss_fn(model(inputs, training=True), *loss_args)
         if tf.size(loss) != 1:
             raise ConfigError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}.")
-        variables = list(self._given_params.values()) or list(model.trainable_variables)
+        self._params.resolve()
+        variables = self._params.aligned
         grads = tape.gradient(loss, variables)
         if optimizer is not None:
             optimizer.apply_gradients(
@@ -487,7 +360,7 @@ class TensorFlowAdapter:
             slot = Slot(layer, tname, ordinal, var, row, index)
             if layer.keep:
                 with tf.init_scope():
-                    slot.keep_var = _shapeless_variable(f"graddebug_keep_{len(self._slots)}")
+                    slot.keep_var = shapeless_variable(f"graddebug_keep_{len(self._slots)}")
             self._slots[key] = slot
         return slot
 
@@ -568,55 +441,14 @@ class TensorFlowAdapter:
 
     def _on_apply(self, grads: list[Any], variables: list[Any]) -> None:
         try:
-            params = self._ensure_params()
-            pairs = [
-                (self._param_index[id(v)], g)
-                for g, v in zip(grads, variables, strict=False)
-                if id(v) in self._param_index
-            ]
             if tf.executing_eagerly() and not self._ctx.recording:
                 return
             self._flags.optimizer_applied = True
-            if pairs:
-                self._when_recording(lambda: self._write_params(params, pairs))
+            self._when_recording(lambda: self._params.write_applied(grads, variables))
         except GradDebugError:
             raise
         except Exception as exc:  # fail-open
             self._ctx.internal_error(exc, "optimizer")
-
-    def _write_params(self, params: list[Param], pairs: list[tuple[int, Any]]) -> tf.Tensor:
-        present = [(i, g) for i, g in pairs if g is not None]
-        buffer = self._buffers.params
-        if not present or buffer is None:
-            return tf.constant(False)
-        full = self._options.param_stats == "full"
-        rows = tf.stack([param_row(g, full) for _, g in present])
-        buffer.scatter_nd_update([[i] for i, _ in present], rows)
-        for i, g in present:
-            keep_var = params[i].keep_var
-            if keep_var is not None:
-                keep_var.assign(tf.convert_to_tensor(g))
-        return tf.constant(True)
-
-    def _write_given(self, grads: Sequence[Any]) -> None:
-        params = self._ensure_params()
-        if len(grads) != len(self._aligned):
-            what = "params= entries" if self._given_params else "model.trainable_variables"
-            raise GradientCountError(
-                f"step() got {len(grads)} gradients but there are {len(self._aligned)} "
-                f"{what}; pass tape.gradient(loss, {what.split(' ')[0]}) in that order."
-            )
-        present = [(i, grads[p.index]) for i, p in enumerate(params)]
-        present = [(i, g) for i, g in present if g is not None]
-        buffer = self._buffers.params
-        if not present or buffer is None:
-            return
-        rows = _param_rows([g for _, g in present], self._options.param_stats == "full")
-        buffer.scatter_nd_update([[i] for i, _ in present], rows)
-        for i, g in present:
-            keep_var = params[i].keep_var
-            if keep_var is not None:
-                keep_var.assign(tf.convert_to_tensor(g))
 
     # -- closing a step -----------------------------------------------------------------
 
@@ -624,22 +456,15 @@ class TensorFlowAdapter:
         """Read and clear the buffers (one transfer) and turn them into records."""
         try:
             if grads is not None:
-                grads = list(grads)
-                if record:
-                    self._write_given(grads)
-                else:
-                    self._ensure_params()
-                    if len(grads) != len(self._aligned):
-                        self._write_given(grads)  # raises the count error
-            params = self._ensure_params()
+                self._params.write_given(list(grads))  # checks the count on every step
             if not record:
                 self._buffers.clear()
                 self.last_result = StepResult()
                 return self.last_result
-            acts, prows = self._buffers.read_and_clear()
+            acts, rows = self._buffers.read_and_clear()
             result = step_records(step, list(self._slots.values()), acts)
             source = grads is not None or self._flags.optimizer_applied
-            param_records(step, params, prows, result, source, self._param_depth)
+            param_records(step, self._params.resolve(), rows, result, source, self._depth)
             self.last_result = result
             return result
         finally:
@@ -647,33 +472,12 @@ class TensorFlowAdapter:
             if self._recording_var is not None:
                 self._recording_var.assign((step + 1) % self._options.every == 0)
 
-    def _param_depth(self, param: Param) -> int:
+    def _depth(self, param: Param) -> int:
         for name in param.chain:
             layer = self._layers.get(name)
             if layer is not None and layer.depth >= 0:
                 return layer.depth
         return -1
-
-
-@functools.partial(tf.function, reduce_retracing=True, autograph=False)
-def _param_rows(grads: list[Any], full: bool) -> tf.Tensor:
-    """The rows of gradients handed to ``step(grads)``: one compiled call, not ops per tensor."""
-    return tf.stack([param_row(g, full) for g in grads])
-
-
-def _children(layer: Any) -> list[Any]:
-    return list(layer._flatten_layers(include_self=False, recursive=False))
-
-
-def _short(var: Any) -> str:
-    return str(var.name).rsplit("/", 1)[-1].split(":", 1)[0]
-
-
-def _shapeless_variable(name: str) -> tf.Variable:
-    return tf.Variable(
-        tf.zeros([0]), shape=tf.TensorShape(None), validate_shape=False, trainable=False,
-        name=name,
-    )
 
 
 def _differentiable(value: Any) -> bool:

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from graddebug_tensorflow.stats import ACT_WIDTH, PARAM_WIDTH
 
-__all__ = ["CHUNK", "StateBuffers"]
+__all__ = ["CHUNK", "StateBuffers", "shapeless_variable"]
 
 CHUNK = 64
 
@@ -93,3 +93,11 @@ class StateBuffers:
         """Zero every buffer (without reading it on steps that ``every=`` skips)."""
         for v in self._variables():
             v.assign(tf.zeros_like(v))
+
+
+def shapeless_variable(name: str) -> tf.Variable:
+    """A variable that takes any shape: where ``keep=`` copies a gradient inside a graph."""
+    return tf.Variable(
+        tf.zeros([0]), shape=tf.TensorShape(None), validate_shape=False, trainable=False,
+        name=name,
+    )

@@ -1,0 +1,113 @@
+"""The layers of a Keras model by unique name, their nesting, and who owns each variable."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import keras
+
+from graddebug.errors import ConfigError, UnknownNameError, close_matches
+
+__all__ = ["LayerIndex", "children", "short_name"]
+
+
+def children(layer: Any) -> list[Any]:
+    """The layers directly inside ``layer``."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def short_name(var: Any) -> str:
+    """A variable's own name without scope or suffix: ``"kernel"``, ``"bias"``."""
+    return str(var.name).rsplit("/", 1)[-1].split(":", 1)[0]
+
+
+class LayerIndex:
+    """Every layer below a model, by a name unique in the model (``outer/inner`` on a clash).
+
+    A model with no sub-layers (a bare ``Dense``) is its own only layer.
+
+    Args:
+        model: A Keras layer or model.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.named: dict[str, Any] = {}
+        self.parents: dict[str, str] = {}
+        self._owners: dict[int, tuple[str, str]] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Walk the model again: sub-layers and variables may appear on its first call."""
+        named: dict[str, Any] = {}
+
+        def walk(layer: Any, parent: str | None) -> None:
+            for child in children(layer):
+                if isinstance(child, keras.layers.InputLayer):
+                    continue
+                name = child.name
+                if name in named and named[name] is not child and parent:
+                    name = f"{parent}/{child.name}"
+                if name in named:
+                    continue
+                named[name] = child
+                if parent is not None:
+                    self.parents[name] = parent
+                walk(child, name)
+
+        walk(self.model, None)
+        if not named:
+            named[self.model.name] = self.model
+        self.named = named
+        for name, layer in [(self.model.name, self.model), *named.items()]:
+            for var in getattr(layer, "_trainable_variables", []):
+                self._owners.setdefault(id(var), (name, short_name(var)))
+
+    def owner(self, var: Any) -> tuple[str, str]:
+        """``(layer name, short name)`` of a variable; the model's name if no layer owns it."""
+        if id(var) not in self._owners:
+            self.refresh()
+        return self._owners.get(id(var), (self.model.name, short_name(var)))
+
+    def ancestors(self, name: str) -> Iterator[str]:
+        """The layers that contain ``name``, innermost first."""
+        while name in self.parents:
+            name = self.parents[name]
+            yield name
+
+    def select(self, layers: Sequence[Any] | None) -> dict[str, Any]:
+        """The layers ``layers=`` names: leaf layers by default, else names, globs and types.
+
+        Raises:
+            UnknownNameError: A name, glob or type matches no layer.
+            ConfigError: An entry is neither a string nor a type.
+        """
+        named = self.named
+        if layers is None:
+            leaves = {n: layer for n, layer in named.items() if not children(layer)}
+            return leaves or dict(named)
+        selected: dict[str, Any] = {}
+        for spec in layers:
+            if isinstance(spec, type):
+                hits = {n: layer for n, layer in named.items() if isinstance(layer, spec)}
+                what = f"layers= type {spec.__name__}"
+            elif isinstance(spec, str) and any(c in spec for c in "*?["):
+                hits = {n: layer for n, layer in named.items() if fnmatch.fnmatchcase(n, spec)}
+                what = f"layers= pattern {spec!r}"
+            elif isinstance(spec, str):
+                hits = {spec: named[spec]} if spec in named else {}
+                what = f"layers= name {spec!r}"
+            else:
+                raise ConfigError(
+                    f"layers= entry {spec!r} must be a layer name, a glob or a layer type."
+                )
+            if not hits:
+                hint = close_matches(spec, named) if isinstance(spec, str) else ""
+                raise UnknownNameError(
+                    f"{what} matches no layer of {type(self.model).__name__}.{hint} "
+                    f"Layers: {', '.join(list(named)[:20])}."
+                )
+            selected.update(hits)
+        return selected

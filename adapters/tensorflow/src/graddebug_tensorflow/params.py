@@ -1,0 +1,136 @@
+"""Watched trainable variables, and the rows their gradients are written into."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from graddebug.errors import ConfigError, GradientCountError
+from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
+from graddebug_tensorflow.model import LayerIndex
+from graddebug_tensorflow.stats import param_row
+
+__all__ = ["Param", "ParamSet"]
+
+
+@dataclass
+class Param:
+    """A watched variable, at ``index`` in the list that ``step(grads)`` aligns with."""
+
+    layer: str
+    tensor: str
+    var: Any
+    index: int
+    chain: tuple[str, ...]  # its layer, then the layers that contain it
+    keep: bool
+    keep_var: tf.Variable | None = None
+
+
+@functools.partial(tf.function, reduce_retracing=True, autograph=False)
+def _rows(grads: list[Any], full: bool) -> tf.Tensor:
+    """The rows of a list of gradients: one compiled call rather than ops per tensor."""
+    return tf.stack([param_row(g, full) for g in grads])
+
+
+class ParamSet:
+    """The variables whose gradients are recorded: a model's trainable variables (or those of
+    the ``layers=`` selection), or the ``params=`` entries.
+
+    They are resolved on first use, since a Keras model creates its variables on its first call.
+
+    Args:
+        buffers: Where gradient rows are written.
+        index: The model's layers; None without a model.
+        given: The ``params=`` mapping (empty without one).
+        chosen: Names of the selected layers, or None when every variable is watched.
+        keep: Layer names whose full gradients are kept.
+        full: Also write the sum and absmax (``param_stats="full"``).
+    """
+
+    def __init__(self, buffers: StateBuffers, index: LayerIndex | None,
+                 given: Mapping[str, Any], chosen: Collection[str] | None,
+                 keep: Collection[str], full: bool) -> None:
+        for key, value in given.items():
+            if not isinstance(value, (tf.Variable, keras.Variable)):
+                raise ConfigError(
+                    f"params[{key!r}] is a {type(value).__name__}, not a tf.Variable or "
+                    f"keras.Variable; for an intermediate tensor use tap(t, {key!r})."
+                )
+        self._buffers = buffers
+        self._index = index
+        self._given = dict(given)
+        self._chosen = None if chosen is None else set(chosen)
+        self._keep = set(keep)
+        self._full = full
+        self._params: list[Param] | None = None
+        self._positions: dict[int, int] = {}
+        self.aligned: list[Any] = []
+
+    def resolve(self) -> list[Param]:
+        """The watched parameters, resolved as soon as the variables exist."""
+        if self._params is not None and (self._params or self._index is None):
+            return self._params
+        if self._given:
+            aligned = list(self._given.values())
+            names = [(key, key) for key in self._given]
+        elif self._index is not None:
+            aligned = list(self._index.model.trainable_variables)
+            names = [self._index.owner(v) for v in aligned]
+        else:
+            aligned, names = [], []
+        params: list[Param] = []
+        for position, (var, (layer, short)) in enumerate(zip(aligned, names, strict=True)):
+            chain = (layer, *(self._index.ancestors(layer) if self._index else ()))
+            if self._chosen is not None and not self._chosen.intersection(chain):
+                continue
+            params.append(Param(layer, short, var, position, chain, keep=layer in self._keep))
+        if params:
+            with tf.init_scope():
+                for p in params:
+                    if p.keep:
+                        p.keep_var = shapeless_variable(f"graddebug_keep_{p.layer}_{p.tensor}")
+            self._buffers.ensure_params(len(params))
+        self.aligned = aligned
+        self._positions = {id(p.var): i for i, p in enumerate(params)}
+        self._params = params
+        return params
+
+    def write_applied(self, grads: Sequence[Any], variables: Sequence[Any]) -> tf.Tensor:
+        """Write the rows of gradients an optimizer applies (eagerly or while tracing)."""
+        self.resolve()
+        pairs = [(self._positions[id(v)], g) for g, v in zip(grads, variables, strict=False)
+                 if id(v) in self._positions]
+        return self._store(pairs)
+
+    def write_given(self, grads: Sequence[Any]) -> None:
+        """Write the rows of gradients handed to ``step(grads)``.
+
+        Raises:
+            GradientCountError: ``grads`` does not align with the variables.
+        """
+        params = self.resolve()
+        if len(grads) != len(self.aligned):
+            what = "params= entries" if self._given else "model.trainable_variables"
+            raise GradientCountError(
+                f"step() got {len(grads)} gradients but there are {len(self.aligned)} "
+                f"{what}; pass tape.gradient(loss, {what.split(' ')[0]}) in that order."
+            )
+        self._store([(i, grads[p.index]) for i, p in enumerate(params)])
+
+    def _store(self, pairs: list[tuple[int, Any]]) -> tf.Tensor:
+        present = [(i, g) for i, g in pairs if g is not None]
+        buffer = self._buffers.params
+        if not present or buffer is None or self._params is None:
+            return tf.constant(False)
+        rows = _rows([g for _, g in present], self._full)
+        buffer.scatter_nd_update([[i] for i, _ in present], rows)
+        for i, g in present:
+            keep_var = self._params[i].keep_var
+            if keep_var is not None:
+                keep_var.assign(tf.convert_to_tensor(g))
+        return tf.constant(True)
