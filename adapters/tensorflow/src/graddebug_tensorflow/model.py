@@ -24,7 +24,8 @@ def short_name(var: Any) -> str:
 
 
 class LayerIndex:
-    """Every layer below a model, by a name unique in the model (``outer/inner`` on a clash).
+    """Every layer below a model, by its Keras name, or ``outer/inner`` where nested models
+    repeat a name.
 
     A model with no sub-layers (a bare ``Dense``) is its own only layer.
 
@@ -41,27 +42,29 @@ class LayerIndex:
 
     def refresh(self) -> None:
         """Walk the model again: sub-layers and variables may appear on its first call."""
-        named: dict[str, Any] = {}
+        found: list[tuple[Any, Any]] = []  # (layer, parent layer or None), in walk order
+        seen: set[int] = set()
 
-        def walk(layer: Any, parent: str | None) -> None:
+        def walk(layer: Any, parent: Any) -> None:
             for child in children(layer):
-                if isinstance(child, keras.layers.InputLayer):
+                if isinstance(child, keras.layers.InputLayer) or id(child) in seen:
                     continue
-                name = child.name
-                if name in named and named[name] is not child and parent:
-                    name = f"{parent}/{child.name}"
-                if name in named:
-                    continue
-                named[name] = child
-                if parent is not None:
-                    self.parents[name] = parent
-                walk(child, name)
+                seen.add(id(child))
+                found.append((child, parent))
+                walk(child, child)
 
         walk(self.model, None)
-        if not named:
-            named[self.model.name] = self.model
-        self.named = named
-        for name, layer in [(self.model.name, self.model), *named.items()]:
+        clashes = {n for n in (c.name for c, _ in found)
+                   if sum(c.name == n for c, _ in found) > 1}
+        names: dict[int, str] = {}
+        for child, parent in found:
+            name = child.name
+            if name in clashes and parent is not None:
+                name = f"{names[id(parent)]}/{name}"
+            names[id(child)] = name
+        self.named = {names[id(c)]: c for c, _ in found} or {self.model.name: self.model}
+        self.parents = {names[id(c)]: names[id(p)] for c, p in found if p is not None}
+        for name, layer in [(self.model.name, self.model), *self.named.items()]:
             for var in getattr(layer, "_trainable_variables", []):
                 self._owners.setdefault(id(var), (name, short_name(var)))
 
