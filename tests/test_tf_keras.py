@@ -66,14 +66,27 @@ def test_mixed_precision_parameter_gradients_are_unscaled(mixed_precision):
     model.compile(optimizer="sgd", loss=xent())
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     x, y = data()
+    start = model.get_weights()
     want = first_batch_grads(model, x[:32], y[:32])  # no loss scaling in this reference
     with graddebug.watch(model) as dbg:
         model.fit(x, y, batch_size=32, shuffle=False, verbose=0, callbacks=[dbg.callback()])
-    got = param_norms(dbg.frame())
+    frame = dbg.frame()
+    got = param_norms(frame)
     for path, norm in want.items():
         layer, name = path.split("/")[-2:]
         # float16 forward: agreement to half precision, far from the 2**15 loss scale.
         assert got[f"{layer}/{name}"] == pytest.approx(norm, rel=1e-2)
+    # Layer-output gradients carry the loss scale in flight; the records divide it out.
+    with tf.GradientTape() as tape:
+        model2 = keras.models.clone_model(model)
+        model2.set_weights(start)
+        hidden = model2.layers[0](x[:32])
+        tape.watch(hidden)
+        loss = xent()(y[:32], model2.layers[1](hidden))
+    dense = tape.gradient(loss, hidden).numpy().astype(np.float64)
+    row = frame[(frame["step"] == 0) & (frame["layer"] == model.layers[0].name)
+                & (frame["tensor"] == "output")]
+    assert row["norm"].item() == pytest.approx(np.linalg.norm(dense), rel=1e-2)
 
 
 class Unbuilt(keras.Model):

@@ -27,7 +27,13 @@ from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.params import Param, ParamSet
 from graddebug_tensorflow.records import param_records, step_records
-from graddebug_tensorflow.stats import Col, activation_row, apply_intervention, forward_row
+from graddebug_tensorflow.stats import (
+    Col,
+    activation_row,
+    apply_intervention,
+    forward_row,
+    unscale_row,
+)
 
 __all__ = ["TensorFlowAdapter"]
 
@@ -128,6 +134,7 @@ class TensorFlowAdapter:
         self._matched: set[str] = set()
         self._next_depth = 0
         self._recording_var: tf.Variable | None = None
+        self._scaler: Any = None  # a LossScaleOptimizer whose scale layer gradients carry
         self.last_result = StepResult()
         self._resolve(params or {})
         self._params = ParamSet(
@@ -210,6 +217,8 @@ class TensorFlowAdapter:
         """Take parameter gradients from ``optimizer.apply`` (the inner optimizer of a
         ``LossScaleOptimizer``, whose gradients are already unscaled)."""
         target = getattr(optimizer, "inner_optimizer", None) or optimizer
+        if target is not optimizer and hasattr(optimizer, "initial_scale"):
+            self._scaler = optimizer
         if id(target) in self._wrapped_optimizers:
             return
         if not callable(getattr(target, "apply", None)):
@@ -396,7 +405,10 @@ class TensorFlowAdapter:
             pre = dy if new is not dy else None
 
             def write() -> tf.Tensor:
-                slot.var[slot.row, Col.BWD :].assign(activation_row(new, unit_axis, pre))
+                row = activation_row(new, unit_axis, pre)
+                if self._scaler is not None:
+                    row = unscale_row(row, _current_scale(self._scaler))
+                slot.var[slot.row, Col.BWD :].assign(row)
                 if slot.keep_var is not None:
                     slot.keep_var.assign(new)
                 return tf.constant(True)
@@ -478,6 +490,11 @@ class TensorFlowAdapter:
             if layer is not None and layer.depth >= 0:
                 return layer.depth
         return -1
+
+
+def _current_scale(scaler: Any) -> Any:
+    """The loss scale in use, as ``LossScaleOptimizer.scale_loss`` reads it."""
+    return scaler.dynamic_scale if scaler.built else scaler.initial_scale
 
 
 def _differentiable(value: Any) -> bool:

@@ -25,6 +25,7 @@ __all__ = [
     "forward_row",
     "param_row",
     "square_sum",
+    "unscale_row",
 ]
 
 MAX_DIMS = 6
@@ -102,6 +103,19 @@ def activation_row(grad: tf.Tensor, unit_axis: int | None, pre: tf.Tensor | None
         _scalar(tf.size(shape)),
     ])
     return tf.concat([head, _scalar(dims)], 0)
+
+
+def unscale_row(row: tf.Tensor, scale: Any) -> tf.Tensor:
+    """Divide the loss scale out of the statistics of a row from :func:`activation_row`:
+    sums of squares by ``scale**2``, the sum and ``absmax`` by ``scale``."""
+    s = tf.cast(tf.convert_to_tensor(scale), _ROW)
+    one = tf.constant(1.0, _ROW)
+    by_column = {Col.SQ: s * s, Col.SUM: s, Col.ABSMAX: s, Col.PRE_SQ: s * s}
+    divisors = tf.stack([by_column.get(c, one) for c in range(Col.BWD, ACT_WIDTH)])
+    unscaled = row / divisors
+    # PRE_SQ is -1 where no intervention acted: keep the marker.
+    return tf.where(tf.range(ACT_WIDTH - Col.BWD) == Col.PRE_SQ - Col.BWD,
+                    tf.where(row < 0, row, unscaled), unscaled)
 
 
 def param_row(grad: Any, full: bool) -> tf.Tensor:
