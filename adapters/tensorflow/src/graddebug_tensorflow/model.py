@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
 
-from graddebug.errors import ConfigError, UnknownNameError, close_matches
+from graddebug.selection import select_layers
 
 __all__ = ["LayerIndex", "children", "short_name"]
 
@@ -91,26 +90,4 @@ class LayerIndex:
         if layers is None:
             leaves = {n: layer for n, layer in named.items() if not children(layer)}
             return leaves or dict(named)
-        selected: dict[str, Any] = {}
-        for spec in layers:
-            if isinstance(spec, type):
-                hits = {n: layer for n, layer in named.items() if isinstance(layer, spec)}
-                what = f"layers= type {spec.__name__}"
-            elif isinstance(spec, str) and any(c in spec for c in "*?["):
-                hits = {n: layer for n, layer in named.items() if fnmatch.fnmatchcase(n, spec)}
-                what = f"layers= pattern {spec!r}"
-            elif isinstance(spec, str):
-                hits = {spec: named[spec]} if spec in named else {}
-                what = f"layers= name {spec!r}"
-            else:
-                raise ConfigError(
-                    f"layers= entry {spec!r} must be a layer name, a glob or a layer type."
-                )
-            if not hits:
-                hint = close_matches(spec, named) if isinstance(spec, str) else ""
-                raise UnknownNameError(
-                    f"{what} matches no layer of {type(self.model).__name__}.{hint} "
-                    f"Layers: {', '.join(list(named)[:20])}."
-                )
-            selected.update(hits)
-        return selected
+        return select_layers(named, layers, noun="layer", owner=type(self.model).__name__)

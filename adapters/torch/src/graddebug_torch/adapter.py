@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,11 +17,10 @@ from graddebug.errors import (
     GradDebugError,
     GradientCountError,
     MaskShapeError,
-    UnknownNameError,
-    close_matches,
 )
 from graddebug.interventions import Intervention
 from graddebug.records import Event, EventKind
+from graddebug.selection import select_layers
 from graddebug_torch.stats import (
     acc_dtype,
     apply_intervention,
@@ -194,29 +192,7 @@ class TorchAdapter:
                 for n, m in named.items()
                 if _owns_params(m) or not any(True for _ in m.children())
             }
-        selected: dict[str, nn.Module] = {}
-        for spec in layers:
-            if isinstance(spec, type):
-                hits = {n: m for n, m in named.items() if isinstance(m, spec)}
-                what = f"layers= type {spec.__name__}"
-            elif isinstance(spec, str) and any(c in spec for c in "*?["):
-                hits = {n: m for n, m in named.items() if fnmatch.fnmatchcase(n, spec)}
-                what = f"layers= pattern {spec!r}"
-            elif isinstance(spec, str):
-                hits = {spec: named[spec]} if spec in named else {}
-                what = f"layers= name {spec!r}"
-            else:
-                raise ConfigError(
-                    f"layers= entry {spec!r} must be a module name, a glob or a module type."
-                )
-            if not hits:
-                hint = close_matches(spec, named) if isinstance(spec, str) else ""
-                raise UnknownNameError(
-                    f"{what} matches no module of {type(self._model).__name__}.{hint} "
-                    f"Modules: {', '.join(list(named)[:20])}."
-                )
-            selected.update(hits)
-        return selected
+        return select_layers(named, layers, noun="module", owner=type(self._model).__name__)
 
     def _take_depth(self) -> int:
         depth = self._next_depth
