@@ -85,6 +85,12 @@ def broken(*args, **kwargs):
     raise ZeroDivisionError("bug inside graddebug")
 
 
+def break_statistics(monkeypatch):
+    """Make the activation statistics raise, in eager mode and in graphs."""
+    monkeypatch.setattr(tf_adapter, "write_activation", broken)
+    monkeypatch.setattr(tf_adapter, "_write_activation", broken)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf_function"])
 def test_bug_inside_a_gradient_hook_fails_open(monkeypatch, compiled):
     keras.utils.set_random_seed(0)
@@ -94,7 +100,7 @@ def test_bug_inside_a_gradient_hook_fails_open(monkeypatch, compiled):
     train(model, data, compiled=compiled)
     plain = model.get_weights()
     model.set_weights(start)
-    monkeypatch.setattr(tf_adapter, "activation_row", broken)
+    break_statistics(monkeypatch)
     with pytest.warns(GradDebugWarning, match="bug inside graddebug") as warned, \
             graddebug.watch(model) as dbg:
         train(model, data, dbg, compiled=compiled)
@@ -109,7 +115,7 @@ def test_bug_inside_a_gradient_hook_fails_open(monkeypatch, compiled):
 
 def test_strict_raises_the_bug(monkeypatch):
     model = relu_mlp(depth=2, width=4)
-    monkeypatch.setattr(tf_adapter, "activation_row", broken)
+    break_statistics(monkeypatch)
     with graddebug.watch(model, strict=True), tf.GradientTape() as tape:
         loss = tf.reduce_sum(model(tf.ones((2, 32))))
         with pytest.raises(GradDebugInternalError) as info:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import keras
@@ -29,10 +29,10 @@ from graddebug_tensorflow.params import Param, ParamSet
 from graddebug_tensorflow.records import param_records, step_records
 from graddebug_tensorflow.stats import (
     Col,
-    activation_row,
     apply_intervention,
-    forward_row,
-    unscale_row,
+    compiled,
+    write_activation,
+    write_forward,
 )
 
 __all__ = ["TensorFlowAdapter"]
@@ -88,12 +88,6 @@ class _Patch:
             object.__delattr__(self.obj, self.attr)
 
 
-@dataclass
-class _StepFlags:
-    eager_calls: dict[tuple[str, str], int] = field(default_factory=dict)
-    optimizer_applied: bool = False
-
-
 class TensorFlowAdapter:
     """Watches a Keras model or layer, named variables (``params=``), and taps."""
 
@@ -130,7 +124,7 @@ class TensorFlowAdapter:
         )
         self._patches: list[_Patch] = []
         self._wrapped_optimizers: set[int] = set()
-        self._flags = _StepFlags()
+        self._eager_calls: dict[tuple[str, str], int] = {}
         self._matched: set[str] = set()
         self._next_depth = 0
         self._recording_var: tf.Variable | None = None
@@ -201,7 +195,7 @@ class TensorFlowAdapter:
         self._wrapped_optimizers.clear()
         if self._model is not None:
             self._reset_compiled()
-        self._flags = _StepFlags()
+        self._eager_calls.clear()
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
         had = attr in vars(obj)
@@ -243,8 +237,6 @@ class TensorFlowAdapter:
 
     def has_pending(self) -> bool:
         """Whether a gradient was recorded since the last step closed."""
-        if self._flags.optimizer_applied:
-            return True
         acts, params = self._buffers.peek()
         return bool((acts[:, Col.BWD] > 0).any() or (params[:, 0] > 0).any())
 
@@ -343,7 +335,7 @@ class TensorFlowAdapter:
             return tensor
         slot = self._slot(layer, tname, eager) if record else None
         if slot is not None:
-            slot.var[slot.row, Col.FWD : Col.BWD].assign(forward_row(tensor))
+            (_write_forward if eager else write_forward)(slot.var, slot.row, tensor)
         unit_axis = _unit_axis(tensor.shape.rank, layer.channels_first)
 
         @tf.custom_gradient
@@ -357,7 +349,7 @@ class TensorFlowAdapter:
 
     def _slot(self, layer: Layer, tname: str, eager: bool) -> Slot:
         if eager:
-            calls = self._flags.eager_calls
+            calls = self._eager_calls
         else:
             calls = self._graph_calls.setdefault(tf.compat.v1.get_default_graph(), {})
         ordinal = calls.get((layer.name, tname), 0)
@@ -405,10 +397,10 @@ class TensorFlowAdapter:
             pre = dy if new is not dy else None
 
             def write() -> tf.Tensor:
-                row = activation_row(new, unit_axis, pre)
-                if self._scaler is not None:
-                    row = unscale_row(row, _current_scale(self._scaler))
-                slot.var[slot.row, Col.BWD :].assign(row)
+                scale = None if self._scaler is None else _current_scale(self._scaler)
+                eager = tf.executing_eagerly()
+                (_write_activation if eager else write_activation)(
+                    slot.var, slot.row, new, pre, unit_axis, scale)
                 if slot.keep_var is not None:
                     slot.keep_var.assign(new)
                 return tf.constant(True)
@@ -455,7 +447,6 @@ class TensorFlowAdapter:
         try:
             if tf.executing_eagerly() and not self._ctx.recording:
                 return
-            self._flags.optimizer_applied = True
             self._when_recording(lambda: self._params.write_applied(grads, variables))
         except GradDebugError:
             raise
@@ -475,12 +466,12 @@ class TensorFlowAdapter:
                 return self.last_result
             acts, rows = self._buffers.read_and_clear()
             result = step_records(step, list(self._slots.values()), acts)
-            source = grads is not None or self._flags.optimizer_applied
-            param_records(step, self._params.resolve(), rows, result, source, self._depth)
+            param_records(step, self._params.resolve(), rows, result, grads is not None,
+                          self._depth)
             self.last_result = result
             return result
         finally:
-            self._flags = _StepFlags()
+            self._eager_calls.clear()
             if self._recording_var is not None:
                 self._recording_var.assign((step + 1) % self._options.every == 0)
 
@@ -490,6 +481,10 @@ class TensorFlowAdapter:
             if layer is not None and layer.depth >= 0:
                 return layer.depth
         return -1
+
+
+_write_forward = compiled(write_forward)
+_write_activation = compiled(write_activation)
 
 
 def _current_scale(scaler: Any) -> Any:

@@ -58,11 +58,15 @@ class StateBuffers:
             )
 
     def ensure_params(self, count: int) -> tf.Variable:
-        """Return the parameter buffer, (re)created for ``count`` parameters."""
-        if self.params is None or self.params.shape[0] != count:
+        """Return the parameter buffer, (re)created for ``count`` parameters.
+
+        Its last row is the source row: column 0 is set when gradients were handed over in the
+        step (by the optimizer or ``step(grads)``), even if every one of them was None.
+        """
+        if self.params is None or self.params.shape[0] != count + 1:
             with tf.init_scope():
                 self.params = tf.Variable(
-                    tf.zeros([count, PARAM_WIDTH], tf.float64),
+                    tf.zeros([count + 1, PARAM_WIDTH], tf.float64),
                     trainable=False,
                     name="graddebug_params",
                 )

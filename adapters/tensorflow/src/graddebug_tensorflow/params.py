@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +12,7 @@ import tensorflow as tf
 from graddebug.errors import ConfigError, GradientCountError
 from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
 from graddebug_tensorflow.model import LayerIndex
-from graddebug_tensorflow.stats import param_row
+from graddebug_tensorflow.stats import PARAM_WIDTH, compiled, param_row
 
 __all__ = ["Param", "ParamSet"]
 
@@ -31,10 +30,12 @@ class Param:
     keep_var: tf.Variable | None = None
 
 
-@functools.partial(tf.function, reduce_retracing=True, autograph=False)
-def _rows(grads: list[Any], full: bool) -> tf.Tensor:
-    """The rows of a list of gradients: one compiled call rather than ops per tensor."""
+def _param_rows(grads: list[Any], full: bool) -> tf.Tensor:
+    """The rows of a list of gradients."""
     return tf.stack([param_row(g, full) for g in grads])
+
+
+_rows = compiled(_param_rows)
 
 
 class ParamSet:
@@ -125,10 +126,13 @@ class ParamSet:
     def _store(self, pairs: list[tuple[int, Any]]) -> tf.Tensor:
         present = [(i, g) for i, g in pairs if g is not None]
         buffer = self._buffers.params
-        if not present or buffer is None or self._params is None:
+        if buffer is None or self._params is None:
             return tf.constant(False)
-        rows = _rows([g for _, g in present], self._full)
-        buffer.scatter_nd_update([[i] for i, _ in present], rows)
+        source = tf.constant([[1.0] + [0.0] * (PARAM_WIDTH - 1)], tf.float64)
+        rows = tf.concat([_rows([g for _, g in present], self._full), source], 0) \
+            if present else source
+        # One op writes the rows and marks the source row, in eager mode and in a graph alike.
+        buffer.scatter_nd_update([[i] for i, _ in present] + [[len(self._params)]], rows)
         for i, g in present:
             keep_var = self._params[i].keep_var
             if keep_var is not None:

@@ -92,9 +92,11 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
         rows: The parameter rows.
         result: The step's result, extended in place.
         source: Whether gradients were handed over this step (by ``step(grads)`` or the
-            optimizer); only then is a parameter without one reported as starved.
+            optimizer); only then is a parameter without one reported as starved. The source
+            row after the parameter rows says the same from inside a graph.
         depth: The depth of a parameter's layer.
     """
+    source = source or bool(len(rows) > len(params) and rows[len(params), 0] > 0)
     for p, row in zip(params, rows, strict=False):
         if row[0] <= 0:
             if source:

@@ -9,6 +9,8 @@ all four, so no entry is counted unless asked.
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import tensorflow as tf
@@ -22,10 +24,13 @@ __all__ = [
     "Col",
     "activation_row",
     "apply_intervention",
+    "compiled",
     "forward_row",
     "param_row",
     "square_sum",
     "unscale_row",
+    "write_activation",
+    "write_forward",
 ]
 
 MAX_DIMS = 6
@@ -152,3 +157,41 @@ def apply_intervention(grad: tf.Tensor, spec: Intervention) -> tf.Tensor:
         factor = tf.minimum(tf.constant(1.0, norm.dtype), spec.clip_norm / norm)
         out = out * tf.cast(factor, out.dtype)
     return out
+
+
+def write_forward(var: tf.Variable, row: Any, output: tf.Tensor) -> None:
+    """Write the forward flag and finiteness sum of ``output`` into row ``row`` of ``var``."""
+    var[row, Col.FWD : Col.BWD].assign(forward_row(output))
+
+
+def write_activation(var: tf.Variable, row: Any, grad: tf.Tensor, pre: tf.Tensor | None,
+                     unit_axis: int | None, scale: Any) -> None:
+    """Write the statistics of ``grad`` into row ``row`` of ``var``, dividing out the loss
+    ``scale`` when one is given."""
+    values = activation_row(grad, unit_axis, pre)
+    if scale is not None:
+        values = unscale_row(values, scale)
+    var[row, Col.BWD :].assign(values)
+
+
+def compiled(function: Any) -> Any:
+    """``function`` as one ``tf.function`` call: in eager mode that is one dispatch instead of
+    a dozen ops per gradient (about 3x faster). Named ``graddebug_*`` so that TF's warning about
+    frequent retracing, which a new model's shapes cause, is not shown for it."""
+    @functools.wraps(function)
+    def run(*args: Any) -> Any:
+        return function(*args)
+
+    run.__name__ = run.__qualname__ = f"graddebug_{function.__name__}"
+    return tf.function(run, reduce_retracing=True, autograph=False)
+
+
+class _OwnRetracing(logging.Filter):
+    """Drops TF's frequent-retracing warning when it is about graddebug's own functions."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "triggered tf.function retracing" not in message or "graddebug_" not in message
+
+
+logging.getLogger("tensorflow").addFilter(_OwnRetracing())
