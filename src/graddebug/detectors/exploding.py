@@ -14,8 +14,8 @@ from graddebug.hookspecs import hookimpl
 from graddebug.records import Finding, Issue, Severity
 
 _ADVICE = (
-    "Try gradient clipping (clip_grad_norm_), a lower learning rate, smaller initial weights "
-    "(He/Xavier), or a normalisation layer."
+    "Try gradient clipping (torch clip_grad_norm_, Keras clipnorm= on the optimizer), a lower "
+    "learning rate, smaller initial weights (He/Xavier), or a normalisation layer."
 )
 
 

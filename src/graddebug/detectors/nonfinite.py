@@ -11,8 +11,8 @@ from graddebug.records import EventKind, Finding, Issue, Severity
 
 _FORWARD_ADVICE = (
     "Look for log/sqrt/pow/division of non-positive or zero values, or overflow, in its "
-    "forward; clamp the input (e.g. x.clamp_min(1e-8)) or use a stable formulation "
-    "(log_softmax, logsumexp)."
+    "forward; clamp the input (x.clamp_min(1e-8) in torch, tf.maximum(x, 1e-8) in TF) or use "
+    "a stable formulation (log_softmax, logsumexp)."
 )
 _BACKWARD_ADVICE = (
     "Its forward values were finite, so a derivative blew up: look for sqrt, pow or division "
