@@ -123,7 +123,6 @@ class TensorFlowAdapter:
             weakref.WeakKeyDictionary()
         )
         self._patches: list[_Patch] = []
-        self._wrapped_optimizers: set[int] = set()
         self._eager_calls: dict[tuple[str, str], int] = {}
         self._matched: set[str] = set()
         self._next_depth = 0
@@ -192,7 +191,6 @@ class TensorFlowAdapter:
         for patch in reversed(self._patches):
             patch.undo()
         self._patches.clear()
-        self._wrapped_optimizers.clear()
         if self._model is not None:
             self._reset_compiled()
         self._eager_calls.clear()
@@ -213,7 +211,7 @@ class TensorFlowAdapter:
         target = getattr(optimizer, "inner_optimizer", None) or optimizer
         if target is not optimizer and hasattr(optimizer, "initial_scale"):
             self._scaler = optimizer
-        if id(target) in self._wrapped_optimizers:
+        if any(p.obj is target and p.attr == "apply" for p in self._patches):
             return
         if not callable(getattr(target, "apply", None)):
             raise ConfigError(
@@ -233,7 +231,6 @@ class TensorFlowAdapter:
             return original(grads, trainable_variables)
 
         self._patch(target, "apply", apply)
-        self._wrapped_optimizers.add(id(target))
 
     def has_pending(self) -> bool:
         """Whether a gradient was recorded since the last step closed."""
