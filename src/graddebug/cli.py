@@ -1,28 +1,46 @@
-"""The ``graddebug`` command line: ``graddebug demo``."""
+"""The ``graddebug`` command line: ``graddebug demo``, ``graddebug report RUN`` and
+``graddebug compare RUN_A RUN_B``.
+
+Exit codes: 0 healthy, 1 when a run has error-severity findings (``report``), 2 for a bad
+run or bad arguments. The command line never imports torch or TensorFlow (except ``demo``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 # TensorFlow reads these when it is first imported; set them before anything can import it.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
+import pandas as pd
 from rich.console import Console
 from rich.markup import escape
 
-from graddebug.console import print_frame
+from graddebug.console import frame_table, markdown_table, print_frame
 from graddebug.errors import GradDebugError, MissingFrameworkError
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from graddebug.report import Report
+
+__all__ = ["build_parser", "main"]
 
 FINDING_COLUMNS = ("step", "layer", "tensor", "issue", "severity", "value", "message")
 SUMMARY_COLUMNS = ("layer", "tensor", "kind", "depth", "norm_median", "norm_min", "norm_max",
                    "zero_frac_median", "issues")
+TABLES = ("findings", "issues", "worst", "summary")
+LARGE_RUN_BYTES = 2_000_000
+"""Runs with more Parquet bytes than this get a progress bar even when stderr is no terminal."""
+LARGE_RUN_FILES = 50
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
@@ -45,6 +63,172 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# -- progress --------------------------------------------------------------------------------
+
+
+def _run_size(path: Path) -> tuple[int, int]:
+    files = [f for f in path.rglob("*.parquet") if f.is_file()] if path.is_dir() else []
+    return len(files), sum(f.stat().st_size for f in files)
+
+
+@contextmanager
+def _progress(args: argparse.Namespace, description: str, paths: Sequence[Path]
+              ) -> Iterator[Callable[[int, int], None] | None]:
+    """Yield a ``progress(done, total)`` callback drawing a bar on stderr, or None.
+
+    The bar shows when stderr is a terminal, or when the runs are large (many or big files),
+    unless ``--no-progress``; ``--progress`` always shows it.
+    """
+    err = Console(stderr=True)
+    show = args.progress
+    if show is None:
+        files, size = map(sum, zip(*(_run_size(p) for p in paths), strict=True))
+        show = err.is_terminal or size >= LARGE_RUN_BYTES or files >= LARGE_RUN_FILES
+    if not show:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                  console=err, transient=err.is_terminal) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _load(args: argparse.Namespace, path: str) -> Report:
+    from graddebug.runload import load
+
+    with _progress(args, f"loading {path}", [Path(path)]) as update:
+        return load(path, progress=update)
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+    if isinstance(value, tuple):
+        return list(value)
+    if hasattr(value, "item"):  # numpy scalars
+        return _json_value(value.item())
+    return value
+
+
+def _json_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    names = [str(c) for c in frame.columns]
+    return [{n: _json_value(v) for n, v in zip(names, row, strict=True)}
+            for row in frame.itertuples(index=False, name=None)]
+
+
+def _tables(report: Report, top: int) -> dict[str, pd.DataFrame]:
+    from graddebug.digest import issue_table, worst_layers
+
+    findings, summary = report.findings(), report.summary()
+    return {
+        "findings": findings,
+        "issues": issue_table(findings),
+        "worst": worst_layers(summary, findings, top),
+        "summary": summary,
+    }
+
+
+def _headline(report: Report, path: str) -> str:
+    meta = report.metadata
+    run = meta.get("run") or {}
+    state = ("[bold yellow]incomplete[/]: the process stopped before graddebug finished; "
+             f"recovered {run.get('steps')} recorded steps, up to step {run.get('last_step')}"
+             if run.get("status") == "incomplete" else "complete")
+    framework = " ".join(str(meta.get(k)) for k in ("framework", "framework_version")
+                         if meta.get(k))
+    facts = ", ".join(escape(str(x)) for x in (
+        framework, meta.get("model"), f"{report.frame()['step'].nunique()} recorded steps",
+        f"{len(report.summary())} tensors", meta.get("started") and f"started {meta['started']}",
+        meta.get("host") and f"on {meta['host']}") if x)
+    return f"[bold]graddebug report[/bold] {escape(path)} ({state})\n{facts}"
+
+
+def _report(args: argparse.Namespace, console: Console) -> int:
+    from graddebug.digest import ISSUE_COLUMNS, WORST_COLUMNS
+
+    report = _load(args, args.run)
+    errors = int((report.findings()["severity"] == "error").sum())
+    if args.html is not None:
+        from graddebug.html import render_html
+
+        stages = ["gradient flow plot", "heatmap", "tables"]
+        with _progress(args, f"rendering {args.html}", [Path(args.run)]) as update:
+            def stage(name: str) -> None:
+                if update is not None:
+                    update(stages.index(name), len(stages))
+
+            page = render_html(report, progress=stage)
+            if update is not None:
+                update(len(stages), len(stages))
+        Path(args.html).write_text(page, encoding="utf-8")
+        Console(stderr=True).print(f"wrote {escape(str(args.html))}")
+    tables = _tables(report, args.top)
+    if args.format == "csv":
+        sys.stdout.write(tables[args.table or "findings"].to_csv(index=False))
+    elif args.format == "json":
+        payload = {"run": report.metadata.get("run"),
+                   "metadata": {k: v for k, v in report.metadata.items() if k != "run"},
+                   "thresholds": report.thresholds.as_dict(),
+                   **{name: _json_rows(frame) for name, frame in tables.items()
+                      if args.table in (None, name)}}
+        sys.stdout.write(json.dumps(payload, indent=1, default=str, allow_nan=False) + "\n")
+    elif args.format == "markdown":
+        if args.table:
+            sys.stdout.write(markdown_table(tables[args.table]))
+        else:
+            sys.stdout.write(f"## graddebug report: `{args.run}`\n\n### Findings by issue\n\n"
+                             f"{markdown_table(tables['issues'], ISSUE_COLUMNS)}\n"
+                             f"### Worst layers\n\n"
+                             f"{markdown_table(tables['worst'], WORST_COLUMNS)}")
+    else:
+        console.print(_headline(report, args.run))
+        if tables["issues"].empty:
+            console.print("[bold green]No finding[/]: the gradients look healthy.")
+        else:
+            console.print(frame_table(tables["issues"], "Findings by issue", ISSUE_COLUMNS))
+        print_frame(console, tables["worst"], f"Worst layers (top {args.top})", WORST_COLUMNS)
+        if errors:
+            console.print(f"[bold red]{errors} error finding(s)[/]: exit code 1.")
+    return 1 if errors else 0
+
+
+def _compare(args: argparse.Namespace, console: Console) -> int:
+    from graddebug.digest import COMPARE_COLUMNS, compare_runs
+
+    a, b = _load(args, args.run_a), _load(args, args.run_b)
+    table = compare_runs(a.summary(), b.summary())
+    if args.format == "csv":
+        sys.stdout.write(table.to_csv(index=False))
+    elif args.format == "json":
+        payload = {"a": args.run_a, "b": args.run_b, "layers": _json_rows(table)}
+        sys.stdout.write(json.dumps(payload, indent=1, allow_nan=False) + "\n")
+    elif args.format == "markdown":
+        sys.stdout.write(markdown_table(table, COMPARE_COLUMNS))
+    else:
+        styles = ["bold red" if r >= args.flag or r <= 1 / args.flag else ""
+                  for r in table["ratio"].fillna(1.0)]
+        title = (f"Median gradient norm per tensor, ratio = B / A "
+                 f"(A: {escape(args.run_a)}, B: {escape(args.run_b)}; "
+                 f"bold red: a factor of {args.flag:g} or more)")
+        console.print(frame_table(table, title, COMPARE_COLUMNS, row_styles=styles))
+    return 0
+
+
+# -- parser ----------------------------------------------------------------------------------
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -52,14 +236,61 @@ def _positive(text: str) -> int:
     return value
 
 
+def _factor(text: str) -> float:
+    value = float(text)
+    if not value > 1:
+        raise argparse.ArgumentTypeError(f"must be a number above 1, not {text!r}")
+    return value
+
+
+def _output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("text", "csv", "json", "markdown"), default="text",
+                        help="text (default, for people) or machine-readable output on stdout; "
+                             "JSON writes NaN as null and infinities as \"inf\"")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--progress", dest="progress", action="store_true", default=None,
+                       help="always show a progress bar on stderr")
+    group.add_argument("--no-progress", dest="progress", action="store_false",
+                       help="never show one (default: when stderr is a terminal, or the run "
+                            "is large)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``graddebug`` command."""
-    parser = argparse.ArgumentParser(prog="graddebug", description=__doc__)
+    parser = argparse.ArgumentParser(prog="graddebug", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a built-in sigmoid MLP and show its findings")
     demo.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.set_defaults(func=_demo)
+
+    report = sub.add_parser(
+        "report", help="summarise a recorded run; exit 1 when it has error findings",
+        description="Summarise a run written by watch(log_dir=...) or save(): the findings "
+                    "by issue and the worst layers. Exit code 0: no error finding; 1: error "
+                    "findings; 2: the run cannot be read.")
+    report.add_argument("run", help="the run directory")
+    _output_options(report)
+    report.add_argument("--table", choices=TABLES, default=None,
+                        help="with --format csv/json/markdown: only this table (csv default: "
+                             "findings)")
+    report.add_argument("--top", type=_positive, default=10,
+                        help="how many worst layers to list (default 10)")
+    report.add_argument("--html", metavar="OUT.html", default=None,
+                        help="also write a self-contained HTML report with the plots")
+    report.set_defaults(func=_report)
+
+    compare = sub.add_parser(
+        "compare", help="per-layer gradient norm ratios between two runs (B / A)",
+        description="Compare the median gradient norm of every tensor between run A (e.g. "
+                    "before a fix) and run B (after it).")
+    compare.add_argument("run_a", help="the first run directory (A)")
+    compare.add_argument("run_b", help="the second run directory (B)")
+    _output_options(compare)
+    compare.add_argument("--flag", type=_factor, default=10.0,
+                         help="highlight ratios beyond this factor either way (default 10)")
+    compare.set_defaults(func=_compare)
     return parser
 
 
@@ -72,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args, console)
     except GradDebugError as exc:
         # The message may hold brackets ("graddebug[torch]") that rich would read as markup.
-        console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
+        Console(stderr=True, width=console.width).print(
+            f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
         return 2
     return code
 

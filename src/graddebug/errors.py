@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "ConfigError",
+    "CorruptRunError",
     "GradDebugError",
     "GradDebugInternalError",
     "GradDebugWarning",
@@ -19,6 +20,8 @@ __all__ = [
     "MaskShapeError",
     "MissingFrameworkError",
     "NoAdapterError",
+    "NotARunError",
+    "RunFileError",
     "UnknownNameError",
     "WatcherStateError",
     "close_matches",
@@ -63,6 +66,29 @@ class WatcherStateError(GradDebugError, RuntimeError):
 
 class GradDebugInternalError(GradDebugError, RuntimeError):
     """A bug inside a graddebug hook, raised instead of recorded because ``strict=True``."""
+
+
+class RunFileError(GradDebugError, ValueError):
+    """A run on disk (``watch(log_dir=...)``, ``save``) cannot be written or read as asked."""
+
+
+class NotARunError(RunFileError):
+    """The path given to ``graddebug.load`` (or ``graddebug report``) holds no graddebug run."""
+
+
+class CorruptRunError(RunFileError):
+    """A file of a run is truncated or corrupt.
+
+    Args:
+        message: What is wrong and what could still be recovered.
+        path: The damaged file.
+        recoverable: What of the run is still readable, in words.
+    """
+
+    def __init__(self, message: str, *, path: str = "", recoverable: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.recoverable = recoverable
 
 
 class GradDebugWarning(UserWarning):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import pluggy
@@ -13,6 +15,9 @@ from graddebug.detectors import Evidence
 from graddebug.frames import finding_frame, summary_frame
 from graddebug.plugins import get_plugin_manager
 from graddebug.records import Finding
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["Report", "diagnose"]
 
@@ -110,6 +115,83 @@ class Report:
         return diagnose(
             self._records, self._events, self.thresholds.replace(**thresholds), extra=extra
         )
+
+    def plot_flow(self) -> Figure:
+        """Return the gradient-flow figure: each tensor's median norm by depth, with its
+        min-max range over steps (a ``matplotlib.figure.Figure``; pyplot is not used).
+
+        Raises:
+            MissingFrameworkError: matplotlib is missing (``pip install graddebug[report]``).
+        """
+        from graddebug.plots import flow_figure
+
+        return flow_figure(self._records, self._findings)
+
+    def plot_heatmap(self) -> Figure:
+        """Return the heatmap of log10 gradient norms, tensors by steps, findings marked.
+
+        Raises:
+            MissingFrameworkError: matplotlib is missing (``pip install graddebug[report]``).
+        """
+        from graddebug.plots import heatmap_figure
+
+        return heatmap_figure(self._records, self._findings)
+
+    def to_html(self, path: str | os.PathLike[str] | None = None) -> str:
+        """Return the self-contained HTML report, and write it to ``path`` when given.
+
+        Args:
+            path: Where to write the page (UTF-8), or None.
+
+        Raises:
+            MissingFrameworkError: matplotlib is missing (``pip install graddebug[report]``).
+        """
+        from graddebug.html import render_html
+
+        page = render_html(self)
+        if path is not None:
+            Path(path).write_text(page, encoding="utf-8")
+        return page
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the run to the directory ``path``, in the format :func:`graddebug.load` reads.
+
+        Parquet files hold the three frames and ``graddebug.json`` the thresholds and the
+        metadata (values that are not JSON are stored as their ``str``). A run already at
+        ``path`` is replaced; any other non-empty directory is refused.
+
+        Args:
+            path: The run directory to write.
+
+        Returns:
+            The run directory.
+
+        Raises:
+            RunFileError: ``path`` is a file or a directory that holds something else.
+            MissingFrameworkError: pyarrow is missing (``pip install graddebug[report]``).
+        """
+        from graddebug.runlog import write_run
+
+        return write_run(path, self._records, self._events, self._findings,
+                         thresholds=self.thresholds.as_dict(), metadata=self.metadata)
+
+    def assert_healthy(self, ignore: Iterable[str] | str = (), **thresholds: float) -> None:
+        """Raise an ``AssertionError`` whose message is the findings table, unless none remain.
+
+        Args:
+            ignore: What to accept: issue names (``"dead"``), ``"issue:layer-glob"``
+                (``"vanishing:embed*"``), or ``"*:layer-glob"`` for every issue of some layers.
+            **thresholds: Overrides of :class:`graddebug.Thresholds` fields; the findings are
+                recomputed under them (:meth:`rediagnose`).
+
+        Raises:
+            AssertionError: A finding is left; the message lists step, layer, issue and message.
+            ConfigError: An ``ignore=`` entry names an unknown issue, or a threshold is unknown.
+        """
+        __tracebackhide__ = True  # pytest points at the test's line, not at graddebug
+        from graddebug.health import assert_healthy
+
+        assert_healthy(self, ignore, **thresholds)
 
     def __repr__(self) -> str:
         steps = self._records["step"].nunique() if not self._records.empty else 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
@@ -28,6 +30,7 @@ from graddebug.interventions import Intervention, parse_interventions
 from graddebug.plugins import get_plugin_manager
 from graddebug.records import Event, Finding, Issue, Record, Severity
 from graddebug.report import Report, diagnose
+from graddebug.runlog import DEFAULT_FLUSH_EVERY, RunWriter, now, run_metadata
 
 __all__ = ["Watcher", "watch"]
 
@@ -60,8 +63,12 @@ class Watcher:
         optimizer: Any = None,
         thresholds: Thresholds | Mapping[str, float] | None = None,
         strict: bool = False,
+        log_dir: str | os.PathLike[str] | None = None,
+        flush_every: int = DEFAULT_FLUSH_EVERY,
         plugin_manager: pluggy.PluginManager | None = None,
     ) -> None:
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
+            raise ConfigError(f"flush_every={flush_every!r} must be a positive int (steps).")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ConfigError(f"every={every!r} must be a positive int (1 records every step).")
         if param_stats not in ("norm", "full"):
@@ -85,6 +92,7 @@ class Watcher:
             outputs=outputs,
             param_stats=param_stats,
             optimizer=optimizer,
+            every=every,
         )
         self._pm = plugin_manager or get_plugin_manager()
         self._adapter: Adapter | None = None
@@ -96,6 +104,10 @@ class Watcher:
         self._kept: dict[int, dict[str, np.ndarray]] = {}
         self._warned = False
         self._cache: dict[str, pd.DataFrame] = {}
+        self._started = ""
+        # With log_dir, _records and _events hold only what is not flushed yet.
+        self._log = RunWriter(log_dir, flush_every=flush_every) if log_dir is not None else None
+        self._flushed_internal = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -109,6 +121,15 @@ class Watcher:
             self._adapter = self._build_adapter(target)
             self._adapter.attach()
         self._active = True
+        self._started = self._started or now()
+        if self._log is not None:
+            try:
+                self._log.start(self._run_metadata(), self.thresholds.as_dict())
+            except BaseException:
+                self._active = False
+                if self._adapter is not None:
+                    self._adapter.detach()
+                raise
         return self
 
     def __exit__(
@@ -126,6 +147,8 @@ class Watcher:
             self._active = False
             if adapter is not None:
                 adapter.detach()
+            if self._log is not None:
+                self._finish_log()
         if exc_type is None:
             self._check_unmatched()
 
@@ -266,6 +289,47 @@ class Watcher:
         if result.kept:
             self._kept[self._step] = result.kept
         self._cache.clear()
+        if self._log is not None and self._log.step_recorded():
+            self._flush_log()
+
+    # -- log_dir ------------------------------------------------------------------------------
+
+    def _run_metadata(self) -> dict[str, Any]:
+        settings: dict[str, Any] = {
+            "every": self.every, "strict": self.strict,
+            "params": list(self._params) if self._params is not None else None}
+        if self._log is not None:
+            settings.update(log_dir=str(self._log.path), flush_every=self._log.flush_every)
+        return run_metadata(adapter=self._adapter.name if self._adapter is not None else None,
+                            model=self._model, options=self._options, settings=settings,
+                            started=self._started)
+
+    def _flush_log(self) -> None:
+        assert self._log is not None
+        if self._log.parts == 0:  # an adapter chosen by tap() is known by now
+            self._log.start(self._run_metadata(), self.thresholds.as_dict())
+        internal = self._internal[self._flushed_internal:]
+        try:
+            self._log.flush(self._records, self._events, internal)
+        except Exception as exc:  # a full disk must not stop training: keep the rows, retry
+            self.internal_error(exc, f"log_dir {str(self._log.path)!r}")
+            return
+        self._records, self._events = [], []
+        self._flushed_internal += len(internal)
+        self._cache.clear()
+
+    def _finish_log(self) -> None:
+        assert self._log is not None
+        self._flush_log()
+        try:
+            self._log.finish(self.frame(), self.events(), self.findings(),
+                             self._run_metadata(), self.thresholds.as_dict())
+        except Exception as exc:
+            self.internal_error(exc, f"log_dir {str(self._log.path)!r}")
+        # The whole run is on disk; frame() reads it back when asked.
+        self._cache.pop("frame", None)
+        self._cache.pop("events", None)
+        self._log.release()
 
     def tap(
         self,
@@ -355,15 +419,23 @@ class Watcher:
         absmax, zero_frac, nan, inf``, plus ``pre_norm`` where an intervention acted.
         """
         if "frame" not in self._cache:
-            self._cache["frame"] = record_frame(self._records)
+            self._read_frames()
         return self._cache["frame"]
 
     def events(self) -> pd.DataFrame:
         """Return the structural events: parameters with no gradient, detached outputs, layers
         no gradient reached, outputs that were non-finite in forward."""
         if "events" not in self._cache:
-            self._cache["events"] = event_frame(self._events)
+            self._read_frames()
         return self._cache["events"]
+
+    def _read_frames(self) -> None:
+        if self._log is not None:
+            self._cache["frame"], self._cache["events"] = self._log.read(
+                self._records, self._events)
+        else:
+            self._cache["frame"] = record_frame(self._records)
+            self._cache["events"] = event_frame(self._events)
 
     def findings(self) -> pd.DataFrame:
         """Return one row per diagnosis: ``step, layer, tensor, issue, severity, value,
@@ -395,8 +467,32 @@ class Watcher:
             self.events(),
             self.findings(),
             thresholds=self.thresholds,
-            metadata=metadata,
+            metadata={**self._run_metadata(), **(metadata or {})},
         )
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the run so far to the directory ``path``, for :func:`graddebug.load`.
+
+        The same format as ``watch(log_dir=...)``; see :meth:`graddebug.Report.save`.
+
+        Args:
+            path: The run directory to write (a run already there is replaced).
+
+        Returns:
+            The run directory.
+
+        Raises:
+            RunFileError: ``path`` is a file or a directory that holds something else.
+            MissingFrameworkError: pyarrow is missing (``pip install graddebug[report]``).
+            WatcherStateError: ``path`` is this Watcher's ``log_dir`` and the block is running.
+        """
+        if (self._active and self._log is not None
+                and Path(path).resolve() == self._log.path.resolve()):
+            raise WatcherStateError(
+                f"save({str(path)!r}) would replace the log_dir this Watcher is streaming to; "
+                "save elsewhere, or load the log_dir once the `with` block has ended."
+            )
+        return self.report().save(path)
 
     def tensors(self, step: int | None = None) -> dict[str, np.ndarray]:
         """Return the full gradients kept by ``keep=`` at one step.
@@ -466,13 +562,19 @@ def watch(model: Any = None, **options: Any) -> Watcher:
               loop needs no ``dbg.step()``.
             - ``thresholds``: a :class:`Thresholds` or a dict of threshold overrides.
             - ``strict``: raise on a bug inside a hook instead of recording it.
+            - ``log_dir``: a new directory to stream the run to while it trains (Parquet parts
+              and a JSON file; :func:`graddebug.load` reads it, also after a crash). Only
+              rows not yet written stay in memory; ``frame()`` reads the run back.
+            - ``flush_every``: with ``log_dir``, write a part every this many recorded steps
+              (default 100; also at least every 30 s).
             - ``plugin_manager``: use this pluggy manager instead of the default one.
 
     Returns:
         A :class:`Watcher`, to be entered with ``with``.
 
     Raises:
-        ConfigError: An option has an unusable value.
+        ConfigError: An option has an unusable value, or ``log_dir`` is not a new directory.
+        MissingFrameworkError: ``log_dir`` was given and pyarrow is missing.
         NoAdapterError: (on entering) no installed adapter claims ``model``.
         UnknownNameError: (on entering) a ``layers=`` name matches no layer.
     """

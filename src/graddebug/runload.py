@@ -1,0 +1,272 @@
+"""Reading a run back: :func:`load` and the part reader the live Watcher shares with it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from graddebug.arrowio import ColumnSpec, require_pyarrow, rows_to_table, table_spec, table_to_frame
+from graddebug.config import Thresholds
+from graddebug.errors import ConfigError, CorruptRunError, NotARunError
+from graddebug.records import Finding
+from graddebug.report import Report, diagnose
+from graddebug.runlog import FINDINGS_FILE, META_FILE, PART_RE, STREAMS, read_meta
+
+__all__ = ["load", "read_streams"]
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: called as the files of a run are read."""
+
+
+@dataclass
+class _Streams:
+    tables: dict[str, Any] = field(default_factory=dict)
+    damaged: list[tuple[Path, str]] = field(default_factory=list)
+    readable: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # step ranges
+
+
+def _part_files(path: Path) -> dict[str, list[Path]]:
+    files: dict[str, list[Path]] = {}
+    for stream in STREAMS:
+        folder = path / stream
+        found = [(m, n) for n in (os.listdir(folder) if folder.is_dir() else [])
+                 if (m := PART_RE.match(n))]
+        files[stream] = [folder / n for m, n in sorted(found, key=lambda p: int(p[0][1]))]
+    return files
+
+
+def _read_table(file: Path) -> Any:
+    pa, pq = require_pyarrow()
+    try:
+        return pq.read_table(file)
+    except (pa.ArrowException, OSError) as exc:
+        raise _Damaged(str(exc)) from exc
+
+
+class _Damaged(Exception):
+    pass
+
+
+def _read_all(path: Path, extra: Sequence[Path], progress: Progress | None) -> tuple[
+        _Streams, dict[Path, Any]]:
+    files = _part_files(path)
+    total = sum(len(v) for v in files.values()) + len(extra)
+    done = 0
+    out = _Streams()
+    others: dict[Path, Any] = {}
+    for stream, paths in [*files.items(), ("", list(extra))]:
+        tables = []
+        for file in paths:
+            try:
+                table = _read_table(file)
+                if stream and "step" not in table.column_names:
+                    raise _Damaged(f"no 'step' column in {table.column_names}")
+            except _Damaged as exc:
+                out.damaged.append((file, str(exc)))
+            else:
+                if not stream:
+                    others[file] = table
+                else:
+                    tables.append(table)
+                    if stream == "records" and table.num_rows:
+                        steps = table.column("step").to_numpy()
+                        out.readable.setdefault(stream, []).append(
+                            (int(steps.min()), int(steps.max())))
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        if stream:
+            out.tables[stream] = tables
+    return out, others
+
+
+def _concat(stream: str, tables: list[Any], pending: Sequence[tuple[Any, ...]] = ()) -> Any:
+    pa, _ = require_pyarrow()
+    fields, types = STREAMS[stream]
+    if pending or not tables:
+        tables = [*tables, rows_to_table(pending, fields, types)]
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def _stream_frame(stream: str, table: Any) -> pd.DataFrame:
+    frame = table_to_frame(table, table_spec(table))
+    if stream == "records" and "pre_norm" in frame and frame["pre_norm"].isna().all():
+        frame = frame.drop(columns="pre_norm")  # as record_frame: only where one acted
+    return frame
+
+
+def read_streams(path: Path, *, pending: Mapping[str, Sequence[tuple[Any, ...]]],
+                 cache: dict[str, dict[Path, Any]]) -> dict[str, pd.DataFrame]:
+    """Return the record and event frames of a run being written, with rows still in memory.
+
+    Args:
+        path: The run directory.
+        pending: Rows not flushed yet, by stream name.
+        cache: Tables of parts read before, by stream and file; parts not in it are read and
+            added, so that a Watcher asked for its frame again reads only the new parts.
+
+    Raises:
+        CorruptRunError: A part cannot be read.
+    """
+    files = _part_files(path)
+    frames = {}
+    for stream in ("records", "events"):
+        known = cache.setdefault(stream, {})
+        for file in files[stream]:
+            if file not in known:
+                try:
+                    known[file] = _read_table(file)
+                except _Damaged as exc:
+                    raise CorruptRunError(
+                        f"{str(file)!r}, written by this Watcher, can no longer be read ({exc})",
+                        path=str(file), recoverable="the other parts") from exc
+        tables = [known[f] for f in files[stream] if f in known]
+        frames[stream] = _stream_frame(stream, _concat(stream, tables, pending.get(stream, ())))
+    return frames
+
+
+def _ranges(spans: list[tuple[int, int]]) -> str:
+    if not spans:
+        return "no steps"
+    return ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in sorted(spans))
+
+
+def _corrupt(path: Path, streams: _Streams) -> CorruptRunError:
+    names = ", ".join(f"{str(f)!r} ({why})" for f, why in streams.damaged)
+    counts = ", ".join(f"{len(t)} {s} part(s)" for s, t in streams.tables.items())
+    recoverable = (f"{counts}; record steps {_ranges(streams.readable.get('records', []))}")
+    return CorruptRunError(
+        f"run {str(path)!r}: {len(streams.damaged)} file(s) are truncated or corrupt: {names}. "
+        f"Still readable: {recoverable}. graddebug.load(path, skip_damaged=True) returns what is "
+        "readable (findings are then diagnosed again from it).",
+        path=str(streams.damaged[0][0]),
+        recoverable=recoverable,
+    )
+
+
+def _resolve(path: str | os.PathLike[str]) -> Path:
+    run = Path(path)
+    if run.is_file() and run.name == META_FILE:
+        run = run.parent
+    if not run.exists():
+        raise NotARunError(f"{str(run)!r} does not exist; pass the directory given to "
+                           "watch(log_dir=...) or save().")
+    if not run.is_dir():
+        raise NotARunError(f"{str(run)!r} is a file, not a graddebug run; a run is a directory "
+                           f"holding {META_FILE!r}, as written by watch(log_dir=...) or save().")
+    if not (run / META_FILE).is_file():
+        raise NotARunError(f"{str(run)!r} holds no {META_FILE!r}, so it is not a graddebug run "
+                           "(watch(log_dir=...) and save() write one).")
+    return run
+
+
+def load(path: str | os.PathLike[str], *, skip_damaged: bool = False,
+         progress: Progress | None = None) -> Report:
+    """Read a run written by ``watch(log_dir=...)``, ``Watcher.save`` or ``Report.save``.
+
+    A run whose process was killed before the ``with`` block ended holds every step flushed
+    before the kill; its findings are diagnosed again, with the run's thresholds, and
+    ``report.metadata["run"]["status"]`` is ``"incomplete"`` (``"rediagnosed"`` is True
+    whenever the findings were not read from the run). Loading never executes code stored in
+    the run (no pickle).
+
+    Args:
+        path: The run directory (or its ``graddebug.json``).
+        skip_damaged: Return what is readable instead of raising when files are damaged; the
+            damaged files are listed in ``report.metadata["run"]["damaged"]``.
+        progress: Called as ``progress(done, total)`` while files are read.
+
+    Returns:
+        The :class:`graddebug.Report` of the run.
+
+    Raises:
+        NotARunError: ``path`` does not exist or holds no run.
+        CorruptRunError: A file is truncated or corrupt (the message says what is readable).
+        RunFileError: The run was written by a newer graddebug.
+        MissingFrameworkError: pyarrow is not installed.
+    """
+    run = _resolve(path)
+    damaged: list[tuple[Path, str]] = []
+    try:
+        meta = read_meta(run)
+    except CorruptRunError as exc:
+        if not skip_damaged:
+            raise
+        damaged.append((run / META_FILE, str(exc.__cause__)))
+        meta = {"status": "running", "metadata": {}, "thresholds": {}}
+    finished = meta.get("status") == "complete"
+    complete = finished and isinstance(meta.get("columns"), dict)
+    findings_file = run / FINDINGS_FILE
+    streams, others = _read_all(run, [findings_file] if complete else [], progress)
+    if streams.damaged and not skip_damaged:
+        raise _corrupt(run, streams)
+    damaged += streams.damaged
+    complete = complete and findings_file in others
+    thresholds = _thresholds(meta.get("thresholds"))
+    specs = _specs(meta.get("columns")) if complete else {}
+    frames: dict[str, pd.DataFrame] = {}
+    try:
+        for stream, tables in streams.tables.items():
+            table = _concat(stream, tables)
+            spec = specs.get(stream)
+            frames[stream] = (table_to_frame(table, spec) if spec
+                              else _stream_frame(stream, table))
+        if complete:
+            findings = table_to_frame(others[findings_file], specs["findings"])
+        else:
+            internal = frames["internal"]
+            extra = [Finding(*row) for row in internal.itertuples(index=False)]
+            findings = diagnose(frames["records"], frames["events"], thresholds, extra=extra)
+    except (KeyError, TypeError, ValueError) as exc:  # Arrow's errors derive from these too
+        raise CorruptRunError(
+            f"run {str(run)!r}: its files do not fit together or do not match {META_FILE} "
+            f"({type(exc).__name__}: {exc})", path=str(run), recoverable="nothing reliable",
+        ) from exc
+    stored = meta.get("metadata")
+    metadata = dict(stored) if isinstance(stored, dict) else {}
+    steps = frames["records"]["step"]
+    metadata["run"] = {
+        "path": str(run),
+        "status": "complete" if finished else "incomplete",
+        "rediagnosed": not complete,
+        "steps": int(steps.nunique()),
+        "last_step": int(steps.max()) if len(steps) else -1,
+        "damaged": [str(f) for f, _ in damaged],
+    }
+    return Report(frames["records"], frames["events"], findings, thresholds=thresholds,
+                  metadata=metadata)
+
+
+def _specs(stored: Any) -> dict[str, ColumnSpec]:
+    """Check the column specs of a finished run's JSON file (which is data, not trusted)."""
+    specs: dict[str, ColumnSpec] = {}
+    ok = isinstance(stored, dict) and {"records", "events", "findings"} <= set(stored)
+    for name, spec in (stored.items() if ok else ()):
+        if not (isinstance(spec, list) and all(
+                isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c)
+                for c in spec)):
+            ok = False
+            break
+        specs[name] = [(c[0], c[1]) for c in spec]
+    if not ok:
+        raise CorruptRunError(f"the column specs in {META_FILE} are malformed: {stored!r}",
+                              recoverable="the Parquet files, with skip_damaged=True")
+    return specs
+
+
+def _thresholds(stored: Any) -> Thresholds:
+    if not isinstance(stored, dict):
+        return Thresholds()
+    # A newer graddebug may store thresholds this one does not know; they cannot apply here.
+    known = {k: v for k, v in stored.items() if k in Thresholds.names()}
+    try:
+        return Thresholds.coerce(known)
+    except ConfigError as exc:
+        raise CorruptRunError(f"the run's thresholds {stored!r} are unusable: {exc}",
+                              recoverable="the records, with graddebug.load(...).rediagnose()"
+                              ) from exc
