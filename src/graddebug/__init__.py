@@ -13,6 +13,10 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+from graddebug.check import check
 from graddebug.config import Thresholds
 from graddebug.errors import (
     ConfigError,
@@ -30,8 +34,34 @@ from graddebug.hookspecs import hookimpl
 from graddebug.interventions import Intervention
 from graddebug.plugins import get_plugin_manager
 from graddebug.records import Finding, Issue, Severity
-from graddebug.report import Report
-from graddebug.session import Watcher, watch
+
+if TYPE_CHECKING:
+    from graddebug.report import Report
+    from graddebug.runload import load
+    from graddebug.session import Watcher, watch
+
+# Imported on first use: these pull in pandas, which `import graddebug` must not pay for,
+# because pytest imports graddebug.pytest_plugin (and so this package) in every session.
+_LAZY: dict[str, str] = {
+    "Report": "graddebug.report",
+    "Watcher": "graddebug.session",
+    "load": "graddebug.runload",
+    "watch": "graddebug.session",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'graddebug' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
@@ -54,7 +84,9 @@ __all__ = [
     "Watcher",
     "WatcherStateError",
     "__version__",
+    "check",
     "get_plugin_manager",
     "hookimpl",
+    "load",
     "watch",
 ]

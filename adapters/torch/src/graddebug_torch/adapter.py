@@ -17,6 +17,7 @@ from graddebug.errors import (
     GradDebugError,
     GradientCountError,
     MaskShapeError,
+    WatcherStateError,
 )
 from graddebug.interventions import Intervention
 from graddebug.records import Event, EventKind
@@ -129,6 +130,14 @@ class TorchAdapter:
         self._closed_any = False
         self._was_training: bool | None = None
         self._resolve(params)
+        # optimizer=: each optimizer step closes a graddebug step (see _on_optimizer_step).
+        self._optimizer = self._bind_optimizer(options.optimizer)
+        self._dirty = False  # gradients arrived, or the optimizer stepped, since the last close
+        self._user_closed = False  # a close that the optimizer hook did not make came last
+        self._in_hook = False
+        self._changed_in_place = False
+        self.last_result = StepResult()
+        """What the latest recorded step produced (callbacks log it without building a frame)."""
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -212,12 +221,16 @@ class TorchAdapter:
             if param.param.requires_grad:
                 self._module_handles.append(param.param.register_post_accumulate_grad_hook(
                     functools.partial(self._on_param_grad, index)))
+        if self._optimizer is not None:
+            self._module_handles.append(
+                self._optimizer.register_step_post_hook(self._on_optimizer_step))
 
     def _on_param_grad(self, index: int, param: Tensor) -> None:
         # Holding the reference lets step() come after zero_grad(set_to_none=True). The sum of
         # squares is taken now, while the gradient is still in cache; a gradient that changes
         # afterwards (accumulation, clipping in place) is measured again when the step closes.
         grad = param.grad
+        self._dirty = True
         if not self._ctx.recording or grad is None:
             return
         try:
@@ -241,7 +254,7 @@ class TorchAdapter:
     def has_pending(self) -> bool:
         """Whether the open step captured anything, or holds gradients nobody recorded."""
         state = self._state
-        if state.captures or state.expected:
+        if self._dirty or state.captures or state.expected:
             return True
         return not self._closed_any and any(p.param.grad is not None for p in self._params)
 
@@ -277,12 +290,18 @@ class TorchAdapter:
         return None
 
     def callback(self, **options: Any) -> Any:
-        """Torch has no ``model.fit``: point to the Lightning callback instead."""
-        raise ConfigError(
-            "dbg.callback() serves Keras' model.fit. For a Lightning Trainer use "
-            "graddebug_torch.lightning.GradDebugCallback; for a plain loop pass "
-            "watch(model, optimizer=opt) or call dbg.step()."
-        )
+        """Return a Lightning callback bound to this Watcher (``Trainer(callbacks=[...])``).
+
+        Args:
+            **options: ``stop_on=`` and ``log=`` of
+                :class:`graddebug_torch.lightning.GradDebugCallback`.
+
+        Raises:
+            MissingFrameworkError: Lightning is not installed.
+        """
+        from graddebug_torch.lightning import GradDebugCallback
+
+        return GradDebugCallback.bound(self._ctx, self, **options)
 
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
         """Hook ``tensor`` so that its gradient is recorded (and altered) under ``name``."""
@@ -315,6 +334,57 @@ class TorchAdapter:
         state.tap_requires_grad = True
         self._watch_tensor(layer, "output", tensor)
         return tensor
+
+    def grads_changed_in_place(self) -> None:
+        """Say that parameter gradients changed in place unseen by autograd's version counter.
+
+        ``GradScaler.unscale_`` divides them by the loss scale that way. The norms taken while
+        the gradients accumulated are then stale, and the step measures them again on closing.
+        """
+        self._changed_in_place = True
+
+    # -- optimizer= -------------------------------------------------------------------------
+
+    def _bind_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
+        if optimizer is None:
+            return None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer={optimizer!r} is a {type(optimizer).__name__}, not a "
+                "torch.optim.Optimizer; pass the optimizer whose step() ends each training step."
+            )
+        if self._params:
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if not any(id(p.param) in held for p in self._params):
+                watched = ", ".join(f"{p.layer}.{p.tensor}" for p in self._params[:5])
+                raise ConfigError(
+                    f"optimizer={type(optimizer).__name__} holds none of the watched parameters "
+                    f"({watched}{', ...' if len(self._params) > 5 else ''}); pass the optimizer "
+                    "built from this model's parameters, e.g. torch.optim.SGD(model.parameters())."
+                )
+        return optimizer
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Close the step after ``optimizer.step()``: the gradients are still on ``p.grad``.
+
+        A ``dbg.step()`` between backward and ``optimizer.step()`` closes the step early; then
+        this hook does nothing. One after ``optimizer.step()`` finds nothing to close and
+        raises (see :meth:`close_step`).
+        """
+        if self._user_closed and not self._dirty:
+            self._user_closed = False
+            return
+        self._dirty = True  # an optimizer step always ends a step, even one that captured nothing
+        self._in_hook = True
+        try:
+            self._ctx.step()
+        except GradDebugError:
+            raise
+        except Exception as exc:  # fail-open: the user's optimizer step has already happened
+            self._ctx.internal_error(exc, f"{type(optimizer).__name__}.step")
+        finally:
+            self._in_hook = False
+            self._user_closed = False
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -446,15 +516,30 @@ class TorchAdapter:
         self._state = StepState()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
-        """Turn the step's captures into records with one host transfer, then reset."""
+        """Turn the step's captures into records with one host transfer, then reset.
+
+        Raises:
+            WatcherStateError: ``dbg.step()`` found nothing to close because the optimizer
+                given to ``watch(optimizer=...)`` has closed the step already.
+        """
+        if self._optimizer is not None and not self._in_hook and not self.has_pending():
+            raise WatcherStateError(
+                f"dbg.step() found no gradient to record: {type(self._optimizer).__name__}"
+                ".step() has closed this step already, as it does each step under "
+                "watch(optimizer=...). Leave dbg.step() out of the loop, or drop optimizer=."
+            )
         try:
             if not record:
                 return StepResult()
             depths = {name: layer.depth for name, layer in self._layers.items()}
-            return gather(step, self._state, self._param_rows(grads), depths,
-                          full=self._options.param_stats == "full")
+            self.last_result = gather(step, self._state, self._param_rows(grads), depths,
+                                      full=self._options.param_stats == "full")
+            return self.last_result
         finally:
             self._closed_any = True
+            self._changed_in_place = False
+            self._dirty = False
+            self._user_closed = not self._in_hook
             self._drop_step()
 
     def _param_rows(self, grads: Sequence[Any] | None) -> list[ParamRow]:
@@ -474,7 +559,8 @@ class TorchAdapter:
             grad = p.param.grad
             if grad is None and seen is not None:
                 grad = seen.grad
-            fresh = seen is not None and seen.grad is grad and grad._version == seen.version
+            fresh = (not self._changed_in_place and seen is not None and seen.grad is grad
+                     and grad._version == seen.version)
             rows.append(ParamRow(p.layer, p.tensor, self._depth(p), grad,
                                  seen.sq if fresh and seen is not None else None, p.keep))
         return rows
