@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -417,3 +418,49 @@ def test_a_run_killed_mid_training_keeps_every_flushed_step(tmp_path: Path) -> N
     assert loaded.metadata["framework"] == "torch"
     assert loaded.findings().empty  # a healthy ReLU net, diagnosed again from its parts
     assert math.isfinite(loaded.frame()["norm"].sum())
+
+
+# -- TensorFlow runs --------------------------------------------------------------------------
+
+
+def tf_run(scenario: str, log_dir: Path | None = None, steps: int = 5):
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+
+    from tf_models import batches, relu_mlp, sigmoid_mlp, train
+
+    keras.utils.set_random_seed(0)
+    options: dict = {"log_dir": log_dir, "flush_every": 2} if log_dir is not None else {}
+    if scenario == "fit":
+        model = relu_mlp(depth=3, width=16, classes=4)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((8 * steps, 32)).astype(np.float32)
+        y = rng.standard_normal((8 * steps, 4)).astype(np.float32)
+        with graddebug.watch(model, **options) as dbg:
+            model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[dbg.callback()])
+        return dbg
+    model = {"sigmoid": lambda: sigmoid_mlp(depth=12),
+             "clipped": lambda: relu_mlp(depth=4, width=16)}[scenario]()
+    if scenario == "clipped":
+        options["intervene"] = {"fc2": {"clip_norm": 1e-3}}
+    with graddebug.watch(model, **options) as dbg:
+        train(model, batches(steps, (8, 32)), dbg, compiled=scenario == "clipped")
+    assert tf.executing_eagerly()
+    return dbg
+
+
+@pytest.mark.parametrize("scenario", ["sigmoid", "clipped", "fit"])
+def test_tensorflow_run_round_trips_exactly(tmp_path: Path, scenario: str) -> None:
+    live = tf_run(scenario)
+    assert live.frame()["step"].nunique() == 5
+    assert ("pre_norm" in live.frame()) == (scenario == "clipped")
+    assert live.findings().empty == (scenario != "sigmoid")
+    live.save(tmp_path / "saved")
+    assert_same_run(live, graddebug.load(tmp_path / "saved"))
+    streamed = tf_run(scenario, log_dir=tmp_path / "streamed")
+    assert_same_run(live, streamed.report())
+    loaded = graddebug.load(tmp_path / "streamed")
+    assert_same_run(live, loaded)
+    assert loaded.metadata["framework"] == "tensorflow"
+    assert loaded.metadata["framework_version"] == sys.modules["tensorflow"].__version__
