@@ -5,19 +5,22 @@ Run by hand (it is a benchmark, not a test)::
     python benchmarks/overhead_tf.py                         # both workloads, both loops
     python benchmarks/overhead_tf.py --workloads mlp --loops function --rounds 21
 
-Two ways of training are measured for each workload:
+Three ways of training are measured for each workload:
 
 - ``function``: a custom ``tf.function`` train step (forward, loss, ``tape.gradient``,
   ``optimizer.apply_gradients``) with ``dbg.step(grads)`` after it when watched;
+- ``function_opt``: the same step, watched with ``watch(model, optimizer=opt)``, so that the
+  parameter statistics are computed inside the compiled step, and ``dbg.step()`` after it;
 - ``fit``: ``model.fit`` on an in-memory dataset, with ``dbg.callback()`` when watched.
 
 Plain and watched run in one process, on two copies of the model with the same weights, batch
 and optimizer settings, and alternate round by round (plain-watched, watched-plain, ...) so that
 slow drift of the machine favours neither. Each watched configuration enters its Watcher once, as
 a real run would; its train step is traced inside the ``with`` block, the plain one outside it,
-so the plain graph holds no graddebug op at all. A round's time is the median of its steps
-(``function``) or the time of one ``fit`` call over its steps divided by their number (``fit``);
-the table quotes the median over rounds of the per-round ratio watched / plain.
+so the plain graph holds no graddebug op at all. A round's time is the median of its steps; in
+``fit``, a step is the time from one batch end to the next, read by a clock callback that both
+sides carry (so both sync per batch). The table quotes the median over rounds of the per-round
+ratio watched / plain.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import graddebug
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "overhead_tf.json"
 WORKLOADS: tuple[str, ...] = ("mlp", "cnn")
-LOOPS: tuple[str, ...] = ("function", "fit")
+LOOPS: tuple[str, ...] = ("function", "function_opt", "fit")
 
 
 @dataclass(frozen=True)
@@ -136,26 +139,41 @@ def make_step(model: keras.Model, loss_fn: Any, optimizer: Any) -> Callable[...,
 
 
 def time_function_round(step: Callable[..., Any], x: tf.Tensor, y: tf.Tensor, steps: int,
-                        dbg: graddebug.Watcher | None) -> float:
-    """Median seconds per step of ``steps`` calls (``dbg.step(grads)`` included)."""
+                        dbg: graddebug.Watcher | None, hand_over: bool) -> float:
+    """Median seconds per step of ``steps`` calls (``dbg.step`` included); ``hand_over``
+    passes the gradients to ``dbg.step``."""
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         grads = step(x, y)
         if dbg is not None:
-            dbg.step(grads)
+            dbg.step(grads if hand_over else None)
         else:
             grads[-1].numpy()  # the watched side syncs in dbg.step; so does the plain one
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
+class _BatchClock(keras.callbacks.Callback):
+    """Times each batch of ``fit`` from one batch end to the next (both sides get one, so both
+    sync per batch and Keras' per-call set-up stays out of the median)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.ends.append(time.perf_counter())
+
+
 def time_fit_round(model: keras.Model, data: tf.data.Dataset, steps: int,
                    callbacks: list[Any]) -> float:
-    """Seconds per step of one ``fit`` call over ``steps`` batches."""
-    start = time.perf_counter()
-    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks)
-    return (time.perf_counter() - start) / steps
+    """Median seconds per batch of one ``fit`` call over ``steps`` batches (the callbacks run
+    before the clock reads, so graddebug's work counts)."""
+    clock = _BatchClock()
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
+              callbacks=[*callbacks, clock])
+    return statistics.median(b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False))
 
 
 def twin(name: str) -> tuple[keras.Model, keras.Model, np.ndarray, np.ndarray, Any]:
@@ -166,34 +184,39 @@ def twin(name: str) -> tuple[keras.Model, keras.Model, np.ndarray, np.ndarray, A
     return plain, watched, x, y, loss
 
 
-def bench(workload: str, loop: str, config: Config, rounds: int, steps: int) -> Result:
+def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
+          fit_steps: int) -> Result:
     """Measure one configuration."""
     plain, watched, x, y, loss = twin(workload)
     ratios, plain_times, watched_times = [], [], []
-    with graddebug.watch(watched, **config.options) as dbg:
-        if loop == "function":
+    optimizer = keras.optimizers.SGD(1e-4)
+    options = {**config.options, **({"optimizer": optimizer} if loop == "function_opt" else {})}
+    with graddebug.watch(watched, **options) as dbg:
+        if loop in ("function", "function_opt"):
             xs, ys = tf.constant(x), tf.constant(y)
             plain_step = make_step(plain, loss, keras.optimizers.SGD(1e-4))
-            watched_step = make_step(watched, loss, keras.optimizers.SGD(1e-4))
+            watched_step = make_step(watched, loss, optimizer)
             plain_step(xs, ys)
             dbg.step(watched_step(xs, ys))  # trace both before timing
+            hand_over = loop == "function"
 
             def run(side: str) -> float:
                 if side == "plain":
-                    return time_function_round(plain_step, xs, ys, steps, None)
-                return time_function_round(watched_step, xs, ys, steps, dbg)
+                    return time_function_round(plain_step, xs, ys, steps, None, hand_over)
+                return time_function_round(watched_step, xs, ys, steps, dbg, hand_over)
         else:
             data = tf.data.Dataset.from_tensors((x, y)).repeat()
             for model in (plain, watched):
                 model.compile(optimizer=keras.optimizers.SGD(1e-4), loss=loss)
             callback = dbg.callback()
-            plain.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
-            watched.fit(data, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[callback])
+            plain.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
+            watched.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False,
+                        callbacks=[callback])
 
             def run(side: str) -> float:
                 if side == "plain":
-                    return time_fit_round(plain, data, steps, [])
-                return time_fit_round(watched, data, steps, [callback])
+                    return time_fit_round(plain, data, fit_steps, [])
+                return time_fit_round(watched, data, fit_steps, [callback])
 
         run("plain")
         run("watched")  # warm-up round
@@ -246,6 +269,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         default=[c.key for c in CONFIGS])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps-per-round", type=int, default=10)
+    parser.add_argument("--fit-steps", type=int, default=30,
+                        help="steps per fit() call; enough to amortise fit's own set-up")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     return parser.parse_args(argv)
 
@@ -261,12 +286,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if config.key not in args.configs:
                     continue
                 console.log(f"{workload} / {loop} / {config.label}")
-                results.append(bench(workload, loop, config, args.rounds, args.steps_per_round))
+                results.append(bench(workload, loop, config, args.rounds, args.steps_per_round,
+                                     args.fit_steps))
     console.print(results_table(results))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "environment": environment(),
-        "settings": {"rounds": args.rounds, "steps_per_round": args.steps_per_round},
+        "settings": {"rounds": args.rounds, "steps_per_round": args.steps_per_round,
+                     "fit_steps": args.fit_steps},
         "results": [asdict(r) for r in results],
     }, indent=2))
     console.print(f"wrote {args.json}")
