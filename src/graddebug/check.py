@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from graddebug.errors import ConfigError, close_matches
+from graddebug.errors import ConfigError
 
 if TYPE_CHECKING:
     from graddebug.report import Report
@@ -98,17 +98,10 @@ def check(
         )
     if model is None:
         raise ConfigError("check() needs a model; for tensors without a model use watch().")
-    import inspect
-
     from graddebug.session import Watcher
+    from graddebug.stopping import check_watch_options
 
-    known = [n for n in inspect.signature(Watcher).parameters if n not in ("model", "optimizer")]
-    for name in options:
-        if name not in known:
-            raise ConfigError(
-                f"check() got an unknown option {name!r}.{close_matches(name, known)} "
-                f"Options: steps, targets, optimizer, {', '.join(known)}."
-            )
+    check_watch_options(options, "check()", ("steps", "targets", "optimizer"))
     inputs, loss_args = split_batch(batch, targets)
     with Watcher(model, **options) as dbg:
         for _ in range(steps):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import pandas as pd
@@ -10,11 +9,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from graddebug.frames import format_cell
+
 __all__ = ["frame_table", "markdown_table", "print_frame"]
 
 
 def _cell(value: object) -> str:
-    return escape(_plain(value))  # layer names and messages are text, not rich markup
+    return escape(format_cell(value))  # layer names and messages are text, not rich markup
 
 
 def frame_table(frame: pd.DataFrame, title: str, columns: Sequence[str] | None = None,
@@ -40,18 +41,9 @@ def frame_table(frame: pd.DataFrame, title: str, columns: Sequence[str] | None =
 
 
 def _markdown_cell(value: object) -> str:
-    text = _plain(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = format_cell(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
-
-def _plain(value: object) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        if value == 0 or 1e-3 <= abs(value) < 1e4:
-            return f"{value:.4g}"
-        return f"{value:.2e}"
-    return str(value)
 
 
 def markdown_table(frame: pd.DataFrame, columns: Sequence[str] | None = None) -> str:

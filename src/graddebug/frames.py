@@ -17,7 +17,14 @@ from graddebug.records import (
     Record,
 )
 
-__all__ = ["SUMMARY_COLUMNS", "event_frame", "finding_frame", "record_frame", "summary_frame"]
+__all__ = [
+    "SUMMARY_COLUMNS",
+    "event_frame",
+    "finding_frame",
+    "format_cell",
+    "record_frame",
+    "summary_frame",
+]
 
 _RECORD_DTYPES: dict[str, str] = {
     "step": "int64",
@@ -140,3 +147,15 @@ def summary_frame(records: pd.DataFrame, findings: pd.DataFrame) -> pd.DataFrame
     kind_rank = np.where(out["kind"] == "activation", 0, 1)
     out = out.assign(_rank=kind_rank).sort_values(["depth", "_rank", "tensor"], kind="stable")
     return out.drop(columns="_rank").reset_index(drop=True)[list(SUMMARY_COLUMNS)]
+
+
+def format_cell(value: object) -> str:
+    """A frame value as table text: ``-`` for NaN, 4 significant digits for ordinary floats,
+    scientific notation for tiny and huge ones; other values as ``str``."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if value == 0 or 1e-3 <= abs(value) < 1e4:
+            return f"{value:.4g}"
+        return f"{value:.2e}"
+    return str(value)

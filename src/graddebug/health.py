@@ -14,7 +14,6 @@ Issue names are checked, so a typo raises instead of silencing nothing: an issue
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -126,13 +125,9 @@ def unignored(findings: pd.DataFrame, rules: Sequence[IgnoreRule]) -> pd.DataFra
 
 
 def _cell(value: object) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        if value == 0 or 1e-3 <= abs(value) < 1e4:
-            return f"{value:.4g}"
-        return f"{value:.2e}"
-    text = " ".join(str(value).split())  # one line per finding, whatever the message holds
+    from graddebug.frames import format_cell
+
+    text = " ".join(format_cell(value).split())  # one line per finding, whatever it holds
     return text or "-"
 
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import keras
 
-from graddebug.errors import ConfigError
-from graddebug.records import EventKind, Issue
+from graddebug.stopping import nonfinite, parse_stop_on, stop_reason
 
 if TYPE_CHECKING:
     from graddebug.adapter import WatchContext
@@ -19,8 +17,6 @@ if TYPE_CHECKING:
 __all__ = ["GradDebugCallback"]
 
 logger = logging.getLogger("graddebug")
-
-_STOPPABLE = (Issue.NONFINITE.value,)
 
 
 class GradDebugCallback(keras.callbacks.Callback):
@@ -43,16 +39,9 @@ class GradDebugCallback(keras.callbacks.Callback):
         self, adapter: TensorFlowAdapter, context: WatchContext, stop_on: Iterable[str] = ()
     ) -> None:
         super().__init__()
-        stop = tuple([stop_on] if isinstance(stop_on, str) else stop_on)
-        unknown = [s for s in stop if s not in _STOPPABLE]
-        if unknown:
-            raise ConfigError(
-                f"stop_on={stop!r}: {unknown[0]!r} cannot stop training; "
-                f"supported: {', '.join(_STOPPABLE)}."
-            )
         self._adapter = adapter
         self._context = context
-        self.stop_on = stop
+        self.stop_on = parse_stop_on(stop_on, "dbg.callback()")
         self.stop_reason: str | None = None
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
@@ -65,21 +54,8 @@ class GradDebugCallback(keras.callbacks.Callback):
         """Close the batch's step; stop training on a finding named in ``stop_on``."""
         step = self._context.step_index
         self._context.step()
-        if Issue.NONFINITE.value in self.stop_on and self._nonfinite():
-            self.stop_reason = self._reason(step)
-            logger.warning("graddebug stopped training at batch %d: %s", batch,
-                           self.stop_reason)
-            self.model.stop_training = True
-
-    def _nonfinite(self) -> bool:
         result = self._adapter.last_result
-        return any(r.nan or r.inf or not math.isfinite(r.norm) for r in result.records) or any(
-            e.event == EventKind.FORWARD_NONFINITE.value for e in result.events
-        )
-
-    def _reason(self, step: int) -> str:
-        findings = self._context.findings()
-        rows = findings[(findings["issue"] == Issue.NONFINITE.value) & (findings["step"] == step)]
-        if rows.empty:
-            return f"a gradient became non-finite at step {step}."
-        return str(rows["message"].iloc[0])
+        if self.stop_on and self.stop_reason is None and nonfinite(result):
+            self.stop_reason = stop_reason(self._context.findings(), step, result)
+            logger.warning(self.stop_reason)
+            self.model.stop_training = True

@@ -20,14 +20,12 @@ so under a loss scaler they carry the scale.
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from graddebug.errors import ConfigError, MissingFrameworkError, WatcherStateError, close_matches
+from graddebug.errors import ConfigError, MissingFrameworkError, WatcherStateError
 
 try:
     import lightning.pytorch as pl
@@ -38,8 +36,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 from graddebug.adapter import StepResult, WatchContext
-from graddebug.records import EventKind, Issue, Record
 from graddebug.session import Watcher
+from graddebug.stopping import check_watch_options, nonfinite, parse_stop_on, stop_reason
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,11 +45,10 @@ if TYPE_CHECKING:
     from graddebug.report import Report
     from graddebug_torch.adapter import TorchAdapter
 
-__all__ = ["STOP_ON", "GradDebugCallback"]
+__all__ = ["GradDebugCallback"]
 
 log = logging.getLogger(__name__)
 
-STOP_ON: tuple[str, ...] = (Issue.NONFINITE.value,)
 """Issues that ``stop_on=`` accepts: those a single step shows. Issues judged over many steps
 (vanishing, exploding, dead) are read from :meth:`GradDebugCallback.findings` after ``fit``."""
 
@@ -84,7 +81,7 @@ class GradDebugCallback(pl.Callback):
     def __init__(self, *, stop_on: Iterable[str] | str = (), log: bool = True,
                  **watch_options: Any) -> None:
         super().__init__()
-        self._stop_on = _parse_stop_on(stop_on)
+        self._stop_on = parse_stop_on(stop_on, "GradDebugCallback")
         self._log = log
         if "optimizer" in watch_options:
             raise ConfigError(
@@ -92,7 +89,7 @@ class GradDebugCallback(pl.Callback):
                 "leave out optimizer=."
             )
         self._options = watch_options
-        _check_watch_options(watch_options)
+        check_watch_options(watch_options, "GradDebugCallback", ("stop_on", "log"))
         self.watcher: Watcher | None = None
         self.stop_reason: str | None = None
         self._adapter: TorchAdapter | None = None
@@ -157,7 +154,7 @@ class GradDebugCallback(pl.Callback):
             metrics = {f"graddebug/{r.layer}.{r.tensor}/norm": r.norm for r in result.records}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-        if self._stop_on and self.stop_reason is None and _nonfinite(result):
+        if self._stop_on and self.stop_reason is None and nonfinite(result):
             self._stop(trainer, watcher, step, result)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -199,16 +196,7 @@ class GradDebugCallback(pl.Callback):
 
     def _stop(self, trainer: pl.Trainer, watcher: Watcher, step: int,
               result: StepResult) -> None:
-        findings = watcher.findings()
-        here = findings[(findings["issue"] == Issue.NONFINITE.value) & (findings["step"] == step)]
-        if not here.empty:
-            reason = str(here["message"].iloc[0])
-        else:  # the detector saw nothing more precise than the non-finite rows themselves
-            first = min((r for r in result.records if _bad(r)), key=lambda r: -r.depth,
-                        default=None)
-            where = f"{first.layer}.{first.tensor}" if first is not None else "a forward output"
-            reason = f"non-finite gradient at {where!r}."
-        self.stop_reason = f"graddebug stopped training at step {step}: {reason}"
+        self.stop_reason = stop_reason(watcher.findings(), step, result)
         log.warning(self.stop_reason)
         trainer.should_stop = True
 
@@ -221,36 +209,3 @@ class GradDebugCallback(pl.Callback):
         if exception is not None:
             exc_info = (type(exception), exception, exception.__traceback__)
         watcher.__exit__(*exc_info)
-
-
-def _bad(record: Record) -> bool:
-    return bool(record.nan or record.inf) or not math.isfinite(record.norm)
-
-
-def _nonfinite(result: StepResult) -> bool:
-    return any(_bad(r) for r in result.records) or any(
-        e.event == EventKind.FORWARD_NONFINITE.value for e in result.events
-    )
-
-
-def _parse_stop_on(stop_on: Iterable[str] | str) -> frozenset[str]:
-    issues = [stop_on] if isinstance(stop_on, str) else list(stop_on)
-    for issue in issues:
-        if issue not in STOP_ON:
-            raise ConfigError(
-                f"stop_on={issue!r} is not supported.{close_matches(str(issue), STOP_ON)} "
-                f"GradDebugCallback stops on: {', '.join(STOP_ON)}; issues judged over many "
-                "steps are in callback.findings() after fit."
-            )
-    return frozenset(issues)
-
-
-def _check_watch_options(options: dict[str, Any]) -> None:
-    """Check option names now rather than at ``on_fit_start``, inside the Trainer."""
-    known = [n for n in inspect.signature(Watcher).parameters if n not in ("model", "optimizer")]
-    for name in options:
-        if name not in known:
-            raise ConfigError(
-                f"GradDebugCallback got an unknown option {name!r}.{close_matches(name, known)} "
-                f"Options: stop_on, log, {', '.join(known)}."
-            )
