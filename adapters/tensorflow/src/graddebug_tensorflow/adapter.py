@@ -71,6 +71,7 @@ class Slot:
     var: tf.Variable
     row: int
     index: int
+    row_tensor: tf.Tensor  # the row as an eager tensor: compiled writers then trace once
     keep_var: tf.Variable | None = None
 
 
@@ -331,8 +332,10 @@ class TensorFlowAdapter:
         if not record and (spec is None or not spec.active):
             return tensor
         slot = self._slot(layer, tname, eager) if record else None
-        if slot is not None:
-            (_write_forward if eager else write_forward)(slot.var, slot.row, tensor)
+        if slot is not None and eager:
+            _write_forward(slot.var, slot.row_tensor, tensor)
+        elif slot is not None:
+            write_forward(slot.var, slot.row, tensor)
         unit_axis = _unit_axis(tensor.shape.rank, layer.channels_first)
 
         @tf.custom_gradient
@@ -355,9 +358,9 @@ class TensorFlowAdapter:
         slot = self._slots.get(key)
         if slot is None:
             var, row, index = self._buffers.new_row()
-            slot = Slot(layer, tname, ordinal, var, row, index)
-            if layer.keep:
-                with tf.init_scope():
+            with tf.init_scope():
+                slot = Slot(layer, tname, ordinal, var, row, index, tf.constant(row))
+                if layer.keep:
                     slot.keep_var = shapeless_variable(f"graddebug_keep_{len(self._slots)}")
             self._slots[key] = slot
         return slot
@@ -395,9 +398,10 @@ class TensorFlowAdapter:
 
             def write() -> tf.Tensor:
                 scale = None if self._scaler is None else _current_scale(self._scaler)
-                eager = tf.executing_eagerly()
-                (_write_activation if eager else write_activation)(
-                    slot.var, slot.row, new, pre, unit_axis, scale)
+                if tf.executing_eagerly():
+                    _write_activation(slot.var, slot.row_tensor, new, pre, unit_axis, scale)
+                else:
+                    write_activation(slot.var, slot.row, new, pre, unit_axis, scale)
                 if slot.keep_var is not None:
                     slot.keep_var.assign(new)
                 return tf.constant(True)
