@@ -12,24 +12,31 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from graddebug.adapter import StepResult, WatchContext, WatchOptions
-from graddebug.errors import ConfigError, GradDebugError, MaskShapeError
+from graddebug.errors import ConfigError, GradDebugError
 from graddebug.interventions import Intervention
 from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
 from graddebug_tensorflow.model import LayerIndex
+from graddebug_tensorflow.outputs import (
+    Layer,
+    Slot,
+    check_mask,
+    differentiable,
+    intervene,
+    leaf_names,
+    unit_axis,
+)
 from graddebug_tensorflow.params import Param, ParamSet
 from graddebug_tensorflow.records import param_records, step_records
 from graddebug_tensorflow.stats import (
     Col,
-    apply_intervention,
     compiled,
     write_activation,
     write_forward,
@@ -46,33 +53,6 @@ except ImportError:  # pragma: no cover - older TF: treat every eager output as 
 
 
 _COMPILED = ("train_function", "test_function", "predict_function")
-
-
-@dataclass
-class Layer:
-    """A watched layer, tap or ``params=`` entry."""
-
-    name: str
-    channels_first: bool = False
-    keep: bool = False
-    intervention: Intervention | None = None
-    capture: bool = True
-    depth: int = -1
-    mask_checked: bool = False
-
-
-@dataclass
-class Slot:
-    """The buffer row of one (layer, output, call index)."""
-
-    layer: Layer
-    tensor: str
-    ordinal: int
-    var: tf.Variable
-    row: int
-    index: int
-    row_tensor: tf.Tensor  # the row as an eager tensor: compiled writers then trace once
-    keep_var: tf.Variable | None = None
 
 
 @dataclass
@@ -305,16 +285,16 @@ class TensorFlowAdapter:
     def _on_output(self, layer: Layer, output: Any) -> Any:
         try:
             leaves = tf.nest.flatten(output)
-            if not any(_differentiable(t) for t in leaves):
+            if not any(differentiable(t) for t in leaves):
                 return output  # symbolic (KerasTensor) or integer outputs
             eager = tf.executing_eagerly()
-            if eager and not _taped([t for t in leaves if _differentiable(t)]):
+            if eager and not _taped([t for t in leaves if differentiable(t)]):
                 return output  # no tape watches this forward pass
             if layer.depth < 0:
                 layer.depth = self._take_depth()
-            names = _leaf_names(output, len(leaves))
+            names = leaf_names(output, len(leaves))
             new = [
-                self._watch(layer, tname, t, eager) if _differentiable(t) else t
+                self._watch(layer, tname, t, eager) if differentiable(t) else t
                 for tname, t in zip(names, leaves, strict=True)
             ]
             return tf.nest.pack_sequence_as(output, new)
@@ -327,7 +307,7 @@ class TensorFlowAdapter:
     def _watch(self, layer: Layer, tname: str, tensor: tf.Tensor, eager: bool) -> tf.Tensor:
         spec = layer.intervention
         if spec is not None and spec.mask is not None and not spec.mask_is_callable:
-            self._check_mask(layer, tensor, spec.mask)
+            check_mask(layer, tensor, spec.mask)
         record = layer.capture and (not eager or self._ctx.recording)
         if not record and (spec is None or not spec.active):
             return tensor
@@ -336,12 +316,12 @@ class TensorFlowAdapter:
             _write_forward(slot.var, slot.row_tensor, tensor)
         elif slot is not None:
             write_forward(slot.var, slot.row, tensor)
-        unit_axis = _unit_axis(tensor.shape.rank, layer.channels_first)
+        axis = unit_axis(tensor.shape.rank, layer.channels_first)
 
         @tf.custom_gradient
         def identity(x: tf.Tensor) -> Any:
             def grad(dy: tf.Tensor) -> tf.Tensor:
-                return self._on_grad(layer, slot, spec, unit_axis, dy)
+                return self._on_grad(layer, slot, spec, axis, dy)
 
             return tf.identity(x), grad
 
@@ -365,21 +345,6 @@ class TensorFlowAdapter:
             self._slots[key] = slot
         return slot
 
-    def _check_mask(self, layer: Layer, tensor: tf.Tensor, mask: Any) -> None:
-        if layer.mask_checked:
-            return
-        shape = tuple(getattr(mask, "shape", ()))
-        target = tuple(tensor.shape)
-        if not isinstance(mask, (tf.Tensor, tf.Variable, np.ndarray)) or not _broadcasts(
-            shape, target
-        ):
-            raise MaskShapeError(
-                f"the mask for {layer.name!r} has shape {shape} but the gradient there has "
-                f"shape {target}; give a tensor that broadcasts to it (e.g. shape "
-                "(1, features)) or a callable grad -> grad."
-            )
-        layer.mask_checked = True
-
     def _on_grad(
         self,
         layer: Layer,
@@ -390,7 +355,7 @@ class TensorFlowAdapter:
     ) -> tf.Tensor:
         new = dy
         if spec is not None and spec.active:
-            new = self._intervene(spec, layer.name, dy)
+            new = intervene(spec, layer.name, dy, self._ctx.internal_error)
         if slot is None:
             return new
         try:
@@ -419,28 +384,6 @@ class TensorFlowAdapter:
             write()
         else:
             tf.cond(self._recording_var, write, lambda: tf.constant(False))
-
-    def _intervene(self, spec: Intervention, name: str, grad: tf.Tensor) -> tf.Tensor:
-        try:
-            out = apply_intervention(grad, spec)
-        except GradDebugError:
-            raise
-        except Exception as exc:
-            if spec.mask_is_callable:
-                raise  # the user's own mask function failed: theirs to see
-            self._ctx.internal_error(exc, name)  # fail-open: the gradient flows on unaltered
-            return grad
-        if not isinstance(out, tf.Tensor) or (
-            out.shape.is_fully_defined()
-            and grad.shape.is_fully_defined()
-            and out.shape != grad.shape
-        ):
-            got = tuple(out.shape) if isinstance(out, tf.Tensor) else type(out).__name__
-            raise MaskShapeError(
-                f"the mask callable for {name!r} returned {got} for a gradient of shape "
-                f"{tuple(grad.shape)}; it must return a tensor of the same shape."
-            )
-        return out
 
     # -- parameter gradients ------------------------------------------------------------
 
@@ -491,47 +434,3 @@ _write_activation = compiled(write_activation)
 def _current_scale(scaler: Any) -> Any:
     """The loss scale in use, as ``LossScaleOptimizer.scale_loss`` reads it."""
     return scaler.dynamic_scale if scaler.built else scaler.initial_scale
-
-
-def _differentiable(value: Any) -> bool:
-    return isinstance(value, tf.Tensor) and value.dtype.is_floating and not isinstance(
-        value, keras.KerasTensor
-    )
-
-
-def _leaf_names(output: Any, count: int) -> list[str]:
-    """``"output"`` for a single tensor, else ``"output.<path>"`` per leaf, in tf.nest order
-    (sequences by index, dicts by sorted key)."""
-    if count == 1 and not tf.nest.is_nested(output):
-        return ["output"]
-    names = ["output" + path for path in _paths(output)]
-    return names if len(names) == count else [f"output.{i}" for i in range(count)]
-
-
-def _paths(value: Any) -> Iterator[str]:
-    if isinstance(value, Mapping):
-        items: Iterable[tuple[Any, Any]] = ((k, value[k]) for k in sorted(value))
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        yield ""
-        return
-    for key, item in items:
-        for rest in _paths(item):
-            yield f".{key}{rest}"
-
-
-def _unit_axis(rank: int | None, channels_first: bool) -> int | None:
-    if rank is None or rank < 2:
-        return None
-    return 1 if channels_first else rank - 1
-
-
-def _broadcasts(shape: tuple[Any, ...], target: tuple[Any, ...]) -> bool:
-    if len(shape) > len(target):
-        return False
-    for have, want in zip(reversed(shape), reversed(target), strict=False):
-        if have not in (1, want) and want is not None:
-            return False
-    return True
-

@@ -13,7 +13,7 @@ from graddebug.records import Event, EventKind, Record
 from graddebug_tensorflow.stats import Col
 
 if TYPE_CHECKING:
-    from graddebug_tensorflow.adapter import Slot
+    from graddebug_tensorflow.outputs import Slot
     from graddebug_tensorflow.params import Param
 
 __all__ = ["param_records", "step_records"]
