@@ -8,13 +8,13 @@ clip by value, then clip by norm. Clipping by norm rescales the gradient ``g`` t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from graddebug.errors import ConfigError, close_matches
+from graddebug.errors import ConfigError, GradDebugError, MaskShapeError, close_matches
 
-__all__ = ["Intervention", "parse_interventions"]
+__all__ = ["Intervention", "intervene_fail_open", "parse_interventions"]
 
 
 @dataclass(frozen=True)
@@ -98,4 +98,50 @@ def parse_interventions(spec: Mapping[str, Any] | None) -> dict[str, Interventio
                     f"Known: {', '.join(_FIELDS)}."
                 )
         out[name] = Intervention(**dict(options))
+    return out
+
+
+G = TypeVar("G")
+
+
+def intervene_fail_open(
+    spec: Intervention,
+    name: str,
+    grad: G,
+    apply: Callable[[G, Intervention], G],
+    fits: Callable[[Any, G], bool],
+    on_bug: Callable[[BaseException, str], None],
+) -> G:
+    """Apply ``spec`` to ``grad`` with the policy every adapter follows.
+
+    A bug of graddebug's lets the gradient flow on unaltered and is handed to ``on_bug``
+    (fail-open). A mask callable is the user's code: its exception propagates, and a result
+    that does not fit the gradient raises.
+
+    Args:
+        spec: The intervention.
+        name: The layer or tap, for messages.
+        grad: The gradient.
+        apply: The framework's implementation, ``apply(grad, spec)``.
+        fits: Whether a result has the gradient's type and shape, ``fits(out, grad)``.
+        on_bug: Records a bug caught here (``WatchContext.internal_error``).
+
+    Raises:
+        MaskShapeError: The mask callable returned something of another shape.
+    """
+    try:
+        out = apply(grad, spec)
+    except GradDebugError:
+        raise
+    except Exception as exc:
+        if spec.mask_is_callable:
+            raise  # the user's own mask function failed: theirs to see
+        on_bug(exc, name)
+        return grad
+    if not fits(out, grad):
+        got = tuple(out.shape) if hasattr(out, "shape") else type(out).__name__
+        raise MaskShapeError(
+            f"the mask callable for {name!r} returned {got} for a gradient of shape "
+            f"{tuple(getattr(grad, 'shape', ()))}; it must return a tensor of the same shape."
+        )
     return out

@@ -10,8 +10,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from graddebug.errors import GradDebugError, MaskShapeError
-from graddebug.interventions import Intervention
+from graddebug.errors import MaskShapeError
+from graddebug.interventions import Intervention, intervene_fail_open
 from graddebug_tensorflow.stats import apply_intervention
 
 __all__ = [
@@ -75,32 +75,17 @@ def check_mask(layer: Layer, tensor: tf.Tensor, mask: Any) -> None:
 
 def intervene(spec: Intervention, name: str, grad: tf.Tensor,
               on_bug: Callable[[BaseException, str], None]) -> tf.Tensor:
-    """Apply ``spec`` to ``grad``. A bug of graddebug's lets the gradient through unaltered
-    (``on_bug`` records it); a failing or misshapen mask callable is the user's and raises.
+    """Apply ``spec`` to ``grad`` as every adapter does (see
+    :func:`graddebug.interventions.intervene_fail_open`); shapes TF leaves unknown until run
+    time are not compared."""
+    return intervene_fail_open(spec, name, grad, apply_intervention, _fits, on_bug)
 
-    Raises:
-        MaskShapeError: The mask callable returned another shape.
-    """
-    try:
-        out = apply_intervention(grad, spec)
-    except GradDebugError:
-        raise
-    except Exception as exc:
-        if spec.mask_is_callable:
-            raise  # the user's own mask function failed: theirs to see
-        on_bug(exc, name)
-        return grad
-    if not isinstance(out, tf.Tensor) or (
-        out.shape.is_fully_defined()
-        and grad.shape.is_fully_defined()
-        and out.shape != grad.shape
-    ):
-        got = tuple(out.shape) if isinstance(out, tf.Tensor) else type(out).__name__
-        raise MaskShapeError(
-            f"the mask callable for {name!r} returned {got} for a gradient of shape "
-            f"{tuple(grad.shape)}; it must return a tensor of the same shape."
-        )
-    return out
+
+def _fits(out: Any, grad: tf.Tensor) -> bool:
+    if not isinstance(out, tf.Tensor):
+        return False
+    known = out.shape.is_fully_defined() and grad.shape.is_fully_defined()
+    return not known or out.shape == grad.shape
 
 
 def differentiable(value: Any) -> bool:

@@ -19,7 +19,7 @@ from graddebug.errors import (
     MaskShapeError,
     WatcherStateError,
 )
-from graddebug.interventions import Intervention
+from graddebug.interventions import Intervention, intervene_fail_open
 from graddebug.records import Event, EventKind
 from graddebug.selection import select_layers
 from graddebug_torch.stats import (
@@ -458,22 +458,11 @@ class TorchAdapter:
             self._state.handles.append(tensor.register_hook(hook))
 
     def _intervene(self, spec: Intervention, name: str, grad: Tensor) -> Tensor:
-        try:
-            out = apply_intervention(grad, spec)
-        except GradDebugError:
-            raise
-        except Exception as exc:
-            if spec.mask_is_callable:
-                raise  # the user's own mask function failed: theirs to see
-            self._ctx.internal_error(exc, name)  # fail-open: the gradient flows on unaltered
-            return grad
-        if not isinstance(out, Tensor) or out.shape != grad.shape:
-            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise MaskShapeError(
-                f"the mask callable for {name!r} returned {got} for a gradient of shape "
-                f"{tuple(grad.shape)}; it must return a tensor of the same shape."
-            )
-        return out
+        return intervene_fail_open(
+            spec, name, grad, apply_intervention,
+            lambda out, g: isinstance(out, Tensor) and out.shape == g.shape,
+            self._ctx.internal_error,
+        )
 
     def _on_grad(self, layer: _Layer, tname: str, grad: Tensor) -> Tensor | None:
         spec = layer.intervention
