@@ -17,6 +17,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from scenario4_checks import (
+    assert_early_layers_only,
+    check_exploding,
+    check_healthy,
+    check_vanishing,
+)
+
 torch = pytest.importorskip("torch")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "torch"
@@ -249,68 +256,22 @@ def _first_last_ratio(namespace: dict[str, Any], name: str) -> float:
     return float(first.norm() / last.norm())
 
 
-def _depth_of(frame: pd.DataFrame) -> dict[str, int]:
-    return {
-        str(layer): int(depth) for layer, depth in frame.groupby("layer")["depth"].min().items()
-    }
-
-
-def _assert_early_layers_only(findings: pd.DataFrame, frame: pd.DataFrame) -> None:
-    depth = _depth_of(frame)
-    flagged = set(findings["layer"])
-    assert "layer_1" in flagged
-    assert "layer_12" not in flagged
-    unflagged = set(depth) - flagged
-    assert max(depth[layer] for layer in flagged) < max(depth[layer] for layer in unflagged)
-    assert min(depth[layer] for layer in flagged) < min(depth[layer] for layer in unflagged)
-
-
 def test_scenario4_sigmoid_net_vanishes_at_its_early_layers(scenario4: Scenario) -> None:
-    namespace, result = scenario4
-    assert _first_last_ratio(namespace, "sigmoid_default_init") < 1e-6
-    findings = result["findings"]["sigmoid_default_init"]
-    assert not findings.empty
-    assert set(findings["issue"]) == {"vanishing"}
-    _assert_early_layers_only(findings, result["frames"]["sigmoid_default_init"])
-    assert all("layer_12" in m for m in findings["message"] if "times that of" in m)
+    check_vanishing(*scenario4, _first_last_ratio)
 
 
 @pytest.mark.parametrize("name", ["relu_large_weights", "linear_large_weights"])
 def test_scenario4_large_weights_explode(scenario4: Scenario, name: str) -> None:
-    namespace, result = scenario4
-    assert _first_last_ratio(namespace, name) > 1e2
-    findings = result["findings"][name]
-    assert not findings.empty
-    assert set(findings["issue"]) == {"exploding"}
-    assert "layer_1" in set(findings["layer"])
-    frame = result["frames"][name]
-    assert np.isfinite(frame["norm"]).all()  # exploding, not yet diverged to NaN
+    check_exploding(*scenario4, _first_last_ratio, name)
 
 
 def test_scenario4_large_relu_weights_explode_towards_the_input(scenario4: Scenario) -> None:
     _, result = scenario4
-    _assert_early_layers_only(
+    assert_early_layers_only(
         result["findings"]["relu_large_weights"], result["frames"]["relu_large_weights"]
     )
 
 
 @pytest.mark.parametrize("name", ["relu_he_init", "small_resnet"])
 def test_scenario4_healthy_networks_have_no_findings(scenario4: Scenario, name: str) -> None:
-    namespace, result = scenario4
-    findings, frame = result["findings"][name], result["frames"][name]
-    assert findings.empty
-    assert list(findings.columns) == [
-        "step",
-        "layer",
-        "tensor",
-        "issue",
-        "severity",
-        "value",
-        "threshold",
-        "message",
-    ]
-    assert set(frame["kind"]) == {"activation", "parameter"}
-    assert frame["step"].nunique() == namespace["STEPS"]
-    assert np.isfinite(frame["norm"]).all() and (frame["norm"] > 0).all()
-    if name == "relu_he_init":
-        assert 1e-2 < _first_last_ratio(namespace, name) < 1e2
+    check_healthy(*scenario4, _first_last_ratio, name)
