@@ -1,59 +1,52 @@
 """The PyTorch seed-scenario examples run, and their results match independent references.
 
 Each example is loaded from ``examples/torch`` with ``runpy`` and its ``main()`` runs in this
-process, once per module. References are computed here without graddebug: with
+process, once per module. References are computed without graddebug (here or in
+``example_checks``): with
 ``torch.autograd`` on a fresh forward pass, with explicit per-stage Jacobians, or with finite
 differences in float64 numpy.
 """
 
 from __future__ import annotations
 
-import runpy
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from scenario4_checks import (
+from example_checks import (
+    X_SEED,
+    Scenario,
     assert_early_layers_only,
     check_exploding,
     check_healthy,
     check_vanishing,
+    finite_difference_reference,
+    run_example,
 )
 
 torch = pytest.importorskip("torch")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "torch"
-
-Scenario = tuple[dict[str, Any], dict[str, Any]]
-
-
-def _run(stem: str) -> Scenario:
-    namespace = runpy.run_path(str(EXAMPLES / f"{stem}.py"), run_name=f"example_{stem}")
-    return namespace, namespace["main"]()
-
-
 @pytest.fixture(scope="module")
 def scenario1() -> Scenario:
-    return _run("scenario1_layer_gradient")
+    return run_example("torch", "scenario1_layer_gradient")
 
 
 @pytest.fixture(scope="module")
 def scenario2() -> Scenario:
-    return _run("scenario2_split_chain_rule")
+    return run_example("torch", "scenario2_split_chain_rule")
 
 
 @pytest.fixture(scope="module")
 def scenario3() -> Scenario:
-    return _run("scenario3_cut_graph")
+    return run_example("torch", "scenario3_cut_graph")
 
 
 @pytest.fixture(scope="module")
 def scenario4() -> Scenario:
-    return _run("scenario4_vanishing_exploding")
+    return run_example("torch", "scenario4_vanishing_exploding")
 
 
 # -- scenario 1: the gradient at layer_2 -----------------------------------------------------
@@ -119,33 +112,9 @@ def test_scenario1_watching_leaves_parameter_gradients_unchanged(scenario1: Scen
 
 # -- scenario 2: the split chain rule ----------------------------------------------------------
 
-W_SEED = np.array([[1.0, 2.0], [3.0, 4.0]])
-B_SEED = np.array([0.5, 0.5])
-X_SEED = np.array([[0.1, 0.2], [0.3, 0.4]])
-Y0_SEED = np.array([[0.8, 0.9], [0.7, 0.6]])
-
-
-def _loss_from_h(h: np.ndarray) -> float:
-    return float(np.mean((np.tanh(h) - Y0_SEED) ** 2))
-
-
-def _finite_difference(f: Callable[[np.ndarray], float], at: np.ndarray) -> np.ndarray:
-    eps = 1e-6
-    grad = np.zeros_like(at)
-    for index in np.ndindex(at.shape):
-        step = np.zeros_like(at)
-        step[index] = eps
-        grad[index] = (f(at + step) - f(at - step)) / (2 * eps)
-    return grad
-
-
 @pytest.fixture(scope="module")
 def numeric() -> dict[str, np.ndarray]:
-    h = X_SEED @ W_SEED + B_SEED
-    return {
-        "dl_dw": _finite_difference(lambda w: _loss_from_h(X_SEED @ w + B_SEED), W_SEED),
-        "dl_dh": _finite_difference(_loss_from_h, h),
-    }
+    return finite_difference_reference()
 
 
 def test_scenario2_elementwise_product_is_not_the_chain_rule(

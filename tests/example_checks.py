@@ -1,18 +1,65 @@
-"""Checks of seed scenario 4 (vanishing and exploding) that hold for every framework's example.
+"""What the example tests of every framework share: running an example, the seed values and
+finite-difference reference of scenario 2, and the checks of scenario 4.
 
-Each framework's test passes its example's namespace and results, and ``ratio(namespace, name)``:
-the first/last-layer gradient norm ratio at initialisation, computed without graddebug.
+Scenario-4 checks take the example's namespace and results, and ``ratio(namespace, name)``: the
+first/last-layer gradient norm ratio at initialisation, computed without graddebug.
 """
 
 from __future__ import annotations
 
+import runpy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 Ratio = Callable[[dict[str, Any], str], float]
+Scenario = tuple[dict[str, Any], dict[str, Any]]
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(framework: str, stem: str) -> Scenario:
+    """Run ``examples/<framework>/<stem>.py`` in this process: its namespace and ``main()``."""
+    namespace = runpy.run_path(str(EXAMPLES / framework / f"{stem}.py"),
+                               run_name=f"example_{stem}")
+    return namespace, namespace["main"]()
+
+
+# -- scenario 2: the split chain rule, L = mean((tanh(x @ W + b) - y0) ** 2) -------------------
+
+W_SEED = np.array([[1.0, 2.0], [3.0, 4.0]])
+B_SEED = np.array([0.5, 0.5])
+X_SEED = np.array([[0.1, 0.2], [0.3, 0.4]])
+Y0_SEED = np.array([[0.8, 0.9], [0.7, 0.6]])
+
+
+def _loss_from_h(h: np.ndarray) -> float:
+    return float(np.mean((np.tanh(h) - Y0_SEED) ** 2))
+
+
+def _finite_difference(f: Callable[[np.ndarray], float], at: np.ndarray) -> np.ndarray:
+    eps = 1e-6
+    grad = np.zeros_like(at)
+    for index in np.ndindex(at.shape):
+        step = np.zeros_like(at)
+        step[index] = eps
+        grad[index] = (f(at + step) - f(at - step)) / (2 * eps)
+    return grad
+
+
+def finite_difference_reference() -> dict[str, np.ndarray]:
+    """dL/dW and dL/dh of scenario 2 by central differences in float64, with no framework."""
+    h = X_SEED @ W_SEED + B_SEED
+    return {
+        "dl_dw": _finite_difference(lambda w: _loss_from_h(X_SEED @ w + B_SEED), W_SEED),
+        "dl_dh": _finite_difference(_loss_from_h, h),
+    }
+
+
+# -- scenario 4: vanishing and exploding ---------------------------------------------------------
 
 
 def depth_of(frame: pd.DataFrame) -> dict[str, int]:
