@@ -51,7 +51,7 @@ def overhead(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]
     from overhead_torch import build_workload, train_step
 
     import graddebug
-    from graddebug.runlog import RunWriter
+    from graddebug.runs.writer import RunWriter
 
     flush_ms: list[float] = []
     original = RunWriter.flush
@@ -204,9 +204,9 @@ def build_run(path: Path, steps: int, layers: int) -> None:
     import math
 
     from graddebug import Thresholds
+    from graddebug.detectors import diagnose
     from graddebug.records import Record
-    from graddebug.report import diagnose
-    from graddebug.runlog import RunWriter
+    from graddebug.runs.writer import RunWriter
 
     writer = RunWriter(path, flush_every=100)
     thresholds = Thresholds()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 from graddebug import Report, Thresholds
+from graddebug.detectors import diagnose
 from graddebug.frames import event_frame, record_frame
 from graddebug.records import Event, Record
-from graddebug.report import diagnose
 
 LAYERS = ("embed", "block.0", "block.1", "head")
 

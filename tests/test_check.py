@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from graddebug import ConfigError, check
-from graddebug.check import split_batch
+from graddebug.integrations.check import split_batch
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402

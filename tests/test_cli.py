@@ -11,9 +11,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import graddebug
 import runs
 from graddebug import cli
-from graddebug.runlog import RunWriter
+from graddebug.runs.writer import RunWriter
 
 
 def test_demo_prints_vanishing_findings_and_the_summary(capsys) -> None:
@@ -53,11 +54,29 @@ def test_demo_without_torch_names_the_install_command(capsys, monkeypatch) -> No
     assert "pip install graddebug[torch]" in err
 
 
+def test_demo_comes_from_a_plugin_hook(capsys, monkeypatch) -> None:
+    from graddebug import plugins
+
+    bare = plugins.new_plugin_manager(entry_points=False)  # no adapter offers a demo
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: bare)
+    assert cli.main(["demo"]) == 2
+    assert "pip install graddebug[torch]" in capsys.readouterr().err
+
+    class Fake:
+        @graddebug.hookimpl
+        def graddebug_demo(self, steps, seed):
+            return runs.healthy()
+
+    bare.register(Fake())
+    assert cli.main(["demo", "--steps", "3"]) == 0
+    assert "Per-layer summary" in capsys.readouterr().out
+
+
 def test_tables_print_brackets_literally() -> None:
     import pandas as pd
     from rich.console import Console
 
-    from graddebug.console import print_frame
+    from graddebug.report.console import print_frame
 
     console = Console(width=120, record=True)
     hint = "pip install graddebug[tensorflow]"

@@ -8,10 +8,10 @@ import pytest
 
 from conftest import make_record
 from graddebug import ConfigError, Report, Thresholds
+from graddebug.detectors import diagnose
 from graddebug.frames import event_frame, finding_frame, record_frame
-from graddebug.health import findings_table
 from graddebug.records import Finding
-from graddebug.report import diagnose
+from graddebug.report.verdict import findings_table
 
 FLAT = [0.5, 0.8, 1.3, 2.0, 0.9, 1.0]
 # By the vanishing rule (ratio to the last layer < 1e-3 and norm < 1e-4): l0, l1, l2.

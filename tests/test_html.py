@@ -14,7 +14,7 @@ import pytest
 
 import graddebug
 import runs
-from graddebug.runlog import RunWriter
+from graddebug.runs.writer import RunWriter
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("pyarrow")

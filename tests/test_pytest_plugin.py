@@ -24,7 +24,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import graddebug  # noqa: E402
-import graddebug.health  # noqa: E402
+import graddebug.report.verdict  # noqa: E402
 
 # Import, outside the inner runs, what they use: the Watcher, the detectors, the torch adapter.
 graddebug.check(nn.Linear(2, 1), torch.ones(1, 2), lambda out: out.sum())
@@ -85,7 +85,7 @@ def only_graddebug(monkeypatch: pytest.MonkeyPatch) -> None:
     others would be imported again for each in-process run. Loading by entry point is tested
     in a subprocess below."""
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setenv("PYTEST_PLUGINS", "graddebug.pytest_plugin")
+    monkeypatch.setenv("PYTEST_PLUGINS", "graddebug.integrations.pytest_plugin")
 
 
 def test_a_healthy_model_passes_and_a_vanishing_one_fails_naming_the_layer(
@@ -236,7 +236,7 @@ def test_strict_fails_passing_tests_with_findings_at_teardown(pytester: pytest.P
 
 def test_reports_are_saved_per_test_with_graddebug_dir(pytester: pytest.Pytester) -> None:
     pytest.importorskip("pyarrow")
-    import graddebug.runload
+    import graddebug.report.load
 
     inner(pytester, '''
         def test_check(graddebug):
@@ -300,7 +300,7 @@ def test_reports_are_saved_per_test_with_graddebug_dir(pytester: pytest.Pytester
 
 
 def test_directory_names_are_safe_short_and_unique() -> None:
-    from graddebug.pytest_plugin import _dir_name
+    from graddebug.integrations.pytest_plugin import _dir_name
 
     taken: dict[str, str] = {}
     assert _dir_name("tests/test_a.py::TestX::test_b[cpu-1]", taken) == (
@@ -343,7 +343,7 @@ def test_the_plugin_adds_under_a_tenth_of_a_second_to_pytest_start_up() -> None:
         import pytest
         before = set(sys.modules)
         start = time.perf_counter()
-        import graddebug.pytest_plugin
+        import graddebug.integrations.pytest_plugin
         took = time.perf_counter() - start
         heavy = {"torch", "tensorflow", "keras", "pandas", "numpy", "pyarrow", "rich"}
         print(took, *sorted({m.split(".")[0] for m in set(sys.modules) - before} & heavy))
@@ -359,7 +359,7 @@ def test_the_plugin_adds_under_a_tenth_of_a_second_to_pytest_start_up() -> None:
 
 
 def test_a_fixture_watcher_is_a_graddebug_watcher_and_its_report_is_kept() -> None:
-    from graddebug.pytest_plugin import GradDebugFixture
+    from graddebug.integrations.pytest_plugin import GradDebugFixture
 
     fixture = GradDebugFixture("t.py::t", {"exploding_norm": 9.0})
     model = nn.Sequential(OrderedDict(fc=nn.Linear(4, 2)))

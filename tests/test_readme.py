@@ -267,7 +267,7 @@ def _run_as_test_module(block: Block, pytester: pytest.Pytester,
     if "torch" in sys.modules:
         _warm_up_torch()
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setenv("PYTEST_PLUGINS", "graddebug.pytest_plugin")
+    monkeypatch.setenv("PYTEST_PLUGINS", "graddebug.integrations.pytest_plugin")
     pytester.makepyfile(test_readme_block=block.code)
     result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider")
     outcomes = result.parseoutcomes()

@@ -12,9 +12,9 @@ import pytest
 
 import graddebug
 import runs
-from graddebug.digest import compare_runs, issue_table, worst_layers
 from graddebug.errors import MissingFrameworkError
 from graddebug.records import Finding
+from graddebug.report.digest import compare_runs, issue_table, worst_layers
 
 matplotlib = pytest.importorskip("matplotlib")
 
@@ -67,7 +67,7 @@ def test_heatmap_holds_log10_norms_and_marks_findings() -> None:
 
 
 def test_heatmap_bins_long_runs_by_averaging_log_norms() -> None:
-    from graddebug.plots import heatmap_figure
+    from graddebug.report.plots import heatmap_figure
 
     frame = runs.report(runs.records(steps=10)).frame()
     fig = heatmap_figure(frame, runs.healthy().findings().iloc[0:0], max_steps=4)

@@ -18,6 +18,7 @@ import pytest
 import graddebug
 import runs
 from graddebug import Report, Thresholds
+from graddebug.detectors import diagnose
 from graddebug.errors import (
     ConfigError,
     CorruptRunError,
@@ -27,7 +28,8 @@ from graddebug.errors import (
 )
 from graddebug.frames import event_frame, record_frame
 from graddebug.records import Event
-from graddebug.runlog import META_FILE, RunWriter
+from graddebug.runs.layout import META_FILE
+from graddebug.runs.writer import RunWriter
 
 TESTS = Path(__file__).resolve().parent
 
@@ -78,7 +80,7 @@ def test_thresholds_and_findings_are_those_of_the_saved_run(tmp_path: Path) -> N
     rows = runs.records()
     frame, events = record_frame(rows), event_frame([])
     strict = Thresholds(exploding_norm=1.2)  # the healthy norms reach 1.4: "exploding"
-    findings = graddebug.report.diagnose(frame, events, strict)
+    findings = diagnose(frame, events, strict)
     assert set(findings["issue"]) == {"exploding"}
     Report(frame, events, findings, thresholds=strict).save(tmp_path / "run")
     loaded = graddebug.load(tmp_path / "run")
@@ -313,7 +315,7 @@ def test_with_log_dir_only_unflushed_rows_stay_in_memory(tmp_path: Path) -> None
             torch.nn.functional.cross_entropy(model(x), y).backward()
             dbg.step()
             model.zero_grad()
-            assert len(dbg._records) == ((step + 1) % 5) * rows_per_step
+            assert dbg._buffer.rows == ((step + 1) % 5) * rows_per_step
         assert sorted(dbg.frame()["step"].unique()) == list(range(23))
     assert len(list((tmp_path / "run" / "records").glob("part-*.parquet"))) == 5
     assert len(dbg.frame()) == 23 * rows_per_step
@@ -381,7 +383,7 @@ CHILD = textwrap.dedent("""
             loss.backward()
             opt.step()
             dbg.step()
-            now = len(list((dbg._log.path / "records").glob("part-*.parquet")))
+            now = len(list((dbg._buffer.log.path / "records").glob("part-*.parquet")))
             if now != parts:
                 parts = now
                 print(f"flushed {{parts}} {{step}}", flush=True)

@@ -10,8 +10,13 @@ from conftest import make_record
 from graddebug.adapter import StepResult
 from graddebug.errors import ConfigError
 from graddebug.frames import finding_frame
+from graddebug.integrations.stopping import (
+    check_watch_options,
+    nonfinite,
+    parse_stop_on,
+    stop_reason,
+)
 from graddebug.records import Event, EventKind, Finding
-from graddebug.stopping import check_watch_options, nonfinite, parse_stop_on, stop_reason
 
 
 def test_parse_stop_on_accepts_nonfinite_and_names_the_caller_otherwise():

@@ -1,6 +1,10 @@
 """graddebug: capture, alter and diagnose gradients in PyTorch and TensorFlow/Keras.
 
-The public API is what this module exports; everything else is internal.
+The public API is what this module exports; everything else is internal. The subpackages are
+the pipeline: ``capture`` (the Watcher) -> ``detectors`` (diagnoses) -> ``runs`` (the files on
+disk) -> ``report`` (Report, load, plots, HTML) -> ``integrations`` (check, pytest, callbacks),
+and ``cli``. Which of them may import which is written in the README's Architecture section
+and checked by import-linter.
 
 Example:
     >>> import graddebug
@@ -16,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from graddebug.check import check
+from graddebug.capture.layers import Intervention
 from graddebug.config import Thresholds
 from graddebug.errors import (
     ConfigError,
@@ -31,22 +35,23 @@ from graddebug.errors import (
     WatcherStateError,
 )
 from graddebug.hookspecs import hookimpl
-from graddebug.interventions import Intervention
+from graddebug.integrations.check import check
 from graddebug.plugins import get_plugin_manager
 from graddebug.records import Finding, Issue, Severity
 
 if TYPE_CHECKING:
-    from graddebug.report import Report
-    from graddebug.runload import load
-    from graddebug.session import Watcher, watch
+    from graddebug.capture.watcher import Watcher, watch
+    from graddebug.report.load import load
+    from graddebug.report.report import Report
 
 # Imported on first use: these pull in pandas, which `import graddebug` must not pay for,
-# because pytest imports graddebug.pytest_plugin (and so this package) in every session.
+# because pytest imports graddebug.integrations.pytest_plugin (and so this package) in every
+# session.
 _LAZY: dict[str, str] = {
-    "Report": "graddebug.report",
-    "Watcher": "graddebug.session",
-    "load": "graddebug.runload",
-    "watch": "graddebug.session",
+    "Report": "graddebug.report.report",
+    "Watcher": "graddebug.capture.watcher",
+    "load": "graddebug.report.load",
+    "watch": "graddebug.capture.watcher",
 }
 
 

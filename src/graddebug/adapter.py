@@ -1,18 +1,41 @@
-"""The interface between the framework-free core and a framework adapter."""
+"""The interface between the framework-free core and a framework adapter, and the base class
+that holds what every adapter shares.
+
+The Watcher (:mod:`graddebug.capture.watcher`) talks to an adapter through :class:`Adapter`
+only; an adapter talks back through :class:`WatchContext` only. Training callbacks (Keras,
+Lightning) use the same two protocols and the :class:`StepResult` that ``Watcher.step()``
+returns, never an adapter's private state.
+
+An adapter imports this module, :mod:`graddebug.capture.layers`, :mod:`graddebug.records`, the
+errors and the integration helpers, and nothing else of the core.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import numpy as np
-import pandas as pd
 
-from graddebug.interventions import Intervention
+from graddebug.capture.layers import FailOpen, Intervention, LayerSpec
 from graddebug.records import Event, Record
 
-__all__ = ["Adapter", "AdapterFactory", "StepResult", "WatchContext", "WatchOptions"]
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from graddebug.report.report import Report
+
+__all__ = [
+    "Adapter",
+    "AdapterFactory",
+    "BaseAdapter",
+    "StepResult",
+    "WatchContext",
+    "WatchOptions",
+]
+
+L = TypeVar("L")
 
 
 @dataclass(frozen=True)
@@ -40,10 +63,16 @@ class WatchOptions:
     optimizer: Any = None
     every: int = 1
 
+    @property
+    def named(self) -> set[str]:
+        """The names that ``keep=`` and ``intervene=`` ask for."""
+        return set(self.keep) | set(self.intervene)
+
 
 @dataclass
 class StepResult:
-    """What an adapter hands back when a recorded step closes."""
+    """What a recorded step produced: ``Watcher.step()`` returns it (None for a step that
+    ``every=`` skipped), and training callbacks read it."""
 
     records: list[Record] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
@@ -51,7 +80,11 @@ class StepResult:
 
 
 class WatchContext(Protocol):
-    """What an adapter may ask of the Watcher that owns it."""
+    """What an adapter, or a training callback, may ask of the Watcher that owns it."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the ``with`` block is running."""
 
     @property
     def recording(self) -> bool:
@@ -61,14 +94,24 @@ class WatchContext(Protocol):
     def step_index(self) -> int:
         """Index of the open step."""
 
+    @property
+    def adapter(self) -> Adapter | None:
+        """The adapter serving the Watcher, once one was chosen."""
+
     def internal_error(self, exc: BaseException, where: str) -> None:
         """Report a bug caught inside a hook: record it, or raise when ``strict=True``."""
 
-    def step(self, grads: Sequence[Any] | None = None) -> None:
-        """Close the open step, as the user's ``Watcher.step`` does (used by optimizer hooks)."""
+    def step(self, grads: Sequence[Any] | None = None) -> StepResult | None:
+        """Close the open step; return its result, or None when it was not recorded."""
 
     def findings(self) -> pd.DataFrame:
         """The findings so far (used by callbacks that stop training on a finding)."""
+
+    def frame(self) -> pd.DataFrame:
+        """The record frame so far."""
+
+    def report(self, metadata: Mapping[str, Any] | None = None) -> Report:
+        """The run so far, as a Report."""
 
 
 class Adapter(Protocol):
@@ -92,7 +135,7 @@ class Adapter(Protocol):
         tensor to use downstream."""
 
     def has_pending(self) -> bool:
-        """Whether gradients were captured in the open step."""
+        """Whether gradients were captured, or an optimizer stepped, in the open step."""
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Close the open step: gather statistics if ``record``, and clear per-step state.
@@ -103,6 +146,20 @@ class Adapter(Protocol):
                 watched parameters; None to read them from the parameters themselves.
             record: False for steps that ``every=`` skips.
         """
+
+    def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None) -> None:
+        """Follow ``optimizer``: record the gradients it applies where the framework keeps
+        none on the parameters (TensorFlow), and call ``on_step`` after each of its steps
+        where the framework can (torch).
+
+        Raises:
+            ConfigError: ``optimizer`` is not an optimizer of this framework, or holds none of
+                the watched parameters.
+        """
+
+    def grads_changed_in_place(self) -> None:
+        """Say that parameter gradients changed in place, unseen by the framework (a loss
+        scaler unscaling them), so that the step measures them again when it closes."""
 
     def matched_names(self) -> set[str]:
         """Names from ``keep=`` and ``intervene=`` that matched a layer or a tap so far."""
@@ -124,7 +181,8 @@ class Adapter(Protocol):
         """
 
     def callback(self, **options: Any) -> Any:
-        """Return the framework's training callback (a Keras callback for ``model.fit``).
+        """Return the framework's training callback bound to the Watcher (a Keras callback
+        for ``model.fit``, a Lightning callback).
 
         Raises:
             ConfigError: The framework has no such callback.
@@ -142,3 +200,112 @@ class AdapterFactory(Protocol):
         options: WatchOptions,
     ) -> Adapter:
         """Build the adapter for ``model`` (may be None) and ``params`` (may be None)."""
+
+
+class BaseAdapter:
+    """The bookkeeping every adapter shares; subclasses add only what is framework-specific.
+
+    It keeps the watched layers and taps by name (:class:`LayerSpec`), hands out forward-order
+    depths, tracks which ``keep=``/``intervene=`` names matched something, and applies the
+    fail-open rule.
+
+    Args:
+        context: The Watcher.
+        options: The validated ``watch`` options.
+    """
+
+    name: str = ""
+    """The adapter's name (the framework), as run metadata records it."""
+
+    def __init__(self, context: WatchContext, options: WatchOptions) -> None:
+        self._ctx = context
+        self._options = options
+        self._layers: dict[str, LayerSpec] = {}
+        self._matched: set[str] = set()
+        self._next_depth = 0
+
+    # -- names and depths --------------------------------------------------------------------
+
+    def _take_depth(self) -> int:
+        """The next forward-order index."""
+        depth = self._next_depth
+        self._next_depth += 1
+        return depth
+
+    def _add_layers(self, named: Mapping[str, L], selected: Mapping[str, L],
+                    channels_first: Callable[[L], bool]) -> dict[str, L]:
+        """Register the ``layers=`` selection, plus every layer ``keep=``/``intervene=`` name.
+
+        Args:
+            named: Every layer of the model by name.
+            selected: The layers ``layers=`` chose.
+            channels_first: Whether a layer's outputs put units on axis 1.
+
+        Returns:
+            The layers to hook, by name.
+        """
+        options = self._options
+        wanted = options.named & named.keys()
+        chosen = dict(selected)
+        for extra in wanted:
+            chosen.setdefault(extra, named[extra])
+        for name, layer in chosen.items():
+            keep = name in options.keep
+            intervention = options.intervene.get(name)
+            self._layers[name] = LayerSpec(
+                name=name,
+                channels_first=channels_first(layer),
+                keep=keep,
+                intervention=intervention,
+                capture=options.outputs or keep or intervention is not None,
+            )
+        self._matched |= wanted
+        return chosen
+
+    def _add_param_keys(self, keys: Iterable[str]) -> None:
+        """Register the ``params=`` keys as layers of their own, in the order given."""
+        for key in keys:
+            self._layers.setdefault(key, LayerSpec(name=key, depth=self._take_depth()))
+            if key in self._options.named:
+                self._matched.add(key)
+
+    def _tap_layer(self, name: str, intervention: Intervention | None) -> LayerSpec:
+        """The layer entry of a tap, created at its first call; ``intervention`` replaces the
+        previous one."""
+        layer = self._layers.get(name)
+        if layer is None:
+            layer = self._layers[name] = LayerSpec(name=name, keep=name in self._options.keep)
+        if name in self._options.named:
+            self._matched.add(name)
+        layer.intervention = intervention
+        return layer
+
+    def _depth_of(self, chain: Iterable[str]) -> int:
+        """The depth of the first layer of ``chain`` (an owner, then its ancestors) that ran
+        forward; -1 when none did."""
+        for name in chain:
+            layer = self._layers.get(name)
+            if layer is not None and layer.depth >= 0:
+                return layer.depth
+        return -1
+
+    def _model_layer_names(self) -> Iterable[str]:
+        """Every layer name of the model, watched or not (for suggestions)."""
+        return ()
+
+    # -- shared parts of the Adapter protocol ----------------------------------------------
+
+    def matched_names(self) -> set[str]:
+        """Names from ``keep=``/``intervene=`` that matched a layer, a param key or a tap."""
+        return set(self._matched)
+
+    def known_names(self) -> list[str]:
+        """Every watched layer, model layer and tap name."""
+        return list(dict.fromkeys([*self._layers, *self._model_layer_names()]))
+
+    def grads_changed_in_place(self) -> None:
+        """Nothing to do where gradients are not measured before the step closes."""
+
+    def _fail_open(self, where: str) -> FailOpen:
+        """``with self._fail_open(layer): ...`` around the body of every hook."""
+        return FailOpen(self._ctx.internal_error, where)

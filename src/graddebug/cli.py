@@ -2,7 +2,8 @@
 ``graddebug compare RUN_A RUN_B``.
 
 Exit codes: 0 healthy, 1 when a run has error-severity findings (``report``), 2 for a bad
-run or bad arguments. The command line never imports torch or TensorFlow (except ``demo``).
+run or bad arguments. The command line never imports torch, TensorFlow or an adapter; ``demo``
+asks the installed adapters for their demonstration through the ``graddebug_demo`` hook.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import pandas as pd
 from rich.console import Console
 from rich.markup import escape
 
-from graddebug.console import frame_table, markdown_table, print_frame
 from graddebug.errors import GradDebugError, MissingFrameworkError
+from graddebug.report.console import frame_table, markdown_table, print_frame
 
 if TYPE_CHECKING:
-    from graddebug.report import Report
+    from graddebug.report.report import Report
 
 __all__ = ["build_parser", "main"]
 
@@ -44,22 +45,22 @@ LARGE_RUN_FILES = 50
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    try:
-        from graddebug_torch.demo import run_demo
-    except ImportError as exc:  # torch or the torch adapter missing
-        raise MissingFrameworkError(
-            f"graddebug demo trains a small torch model and needs torch and the torch "
-            f"adapter ({exc}); install them with: pip install graddebug[torch]"
-        ) from exc
+    from graddebug.plugins import get_plugin_manager
+
     started = time.perf_counter()
-    with console.status(f"training a 12-layer sigmoid MLP for {args.steps} steps..."):
-        dbg = run_demo(steps=args.steps, seed=args.seed)
+    with console.status(f"training the demo model for {args.steps} steps..."):
+        report = get_plugin_manager().hook.graddebug_demo(steps=args.steps, seed=args.seed)
+    if report is None:
+        raise MissingFrameworkError(
+            "graddebug demo trains a small model with an installed framework adapter, and "
+            "none offers one; install the torch adapter with: pip install graddebug[torch]"
+        )
     console.print(
-        f"[bold]graddebug demo[/bold]: a 12-layer sigmoid MLP with default init, "
-        f"{args.steps} SGD steps on synthetic data, {time.perf_counter() - started:.1f} s."
+        f"[bold]graddebug demo[/bold]: {escape(str(report.metadata.get('demo', '')))} "
+        f"({time.perf_counter() - started:.1f} s)."
     )
-    print_frame(console, dbg.findings(), "Findings", FINDING_COLUMNS)
-    print_frame(console, dbg.summary(), "Per-layer summary", SUMMARY_COLUMNS)
+    print_frame(console, report.findings(), "Findings", FINDING_COLUMNS)
+    print_frame(console, report.summary(), "Per-layer summary", SUMMARY_COLUMNS)
     return 0
 
 
@@ -100,7 +101,7 @@ def _progress(args: argparse.Namespace, description: str, paths: Sequence[Path]
 
 
 def _load(args: argparse.Namespace, path: str) -> Report:
-    from graddebug.runload import load
+    from graddebug.report.load import load
 
     with _progress(args, f"loading {path}", [Path(path)]) as update:
         return load(path, progress=update)
@@ -129,7 +130,7 @@ def _json_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _tables(report: Report, top: int) -> dict[str, pd.DataFrame]:
-    from graddebug.digest import issue_table, worst_layers
+    from graddebug.report.digest import issue_table, worst_layers
 
     findings, summary = report.findings(), report.summary()
     return {
@@ -156,12 +157,12 @@ def _headline(report: Report, path: str) -> str:
 
 
 def _report(args: argparse.Namespace, console: Console) -> int:
-    from graddebug.digest import ISSUE_COLUMNS, WORST_COLUMNS
+    from graddebug.report.digest import ISSUE_COLUMNS, WORST_COLUMNS
 
     report = _load(args, args.run)
     errors = int((report.findings()["severity"] == "error").sum())
     if args.html is not None:
-        from graddebug.html import render_html
+        from graddebug.report.html import render_html
 
         stages = ["gradient flow plot", "heatmap", "tables"]
         with _progress(args, f"rendering {args.html}", [Path(args.run)]) as update:
@@ -205,7 +206,7 @@ def _report(args: argparse.Namespace, console: Console) -> int:
 
 
 def _compare(args: argparse.Namespace, console: Console) -> int:
-    from graddebug.digest import COMPARE_COLUMNS, compare_runs
+    from graddebug.report.digest import COMPARE_COLUMNS, compare_runs
 
     a, b = _load(args, args.run_a), _load(args, args.run_b)
     table = compare_runs(a.summary(), b.summary())

@@ -1,4 +1,5 @@
-"""Build the documented DataFrames, once, from the Watcher's plain record buffers."""
+"""The documented DataFrames, built once from plain record tuples, and the one cell formatter
+that every table (terminal, Markdown, HTML, assertion text) uses."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import pandas as pd
 
 from graddebug.records import (
     EVENT_COLUMNS,
+    EVENT_DTYPES,
     FINDING_COLUMNS,
+    FINDING_DTYPES,
     RECORD_COLUMNS,
+    RECORD_DTYPES,
     Event,
     Finding,
+    Kind,
     Record,
+    Severity,
 )
 
 __all__ = [
@@ -25,44 +31,6 @@ __all__ = [
     "record_frame",
     "summary_frame",
 ]
-
-_RECORD_DTYPES: dict[str, str] = {
-    "step": "int64",
-    "layer": "object",
-    "tensor": "object",
-    "kind": "object",
-    "depth": "int64",
-    "shape": "object",
-    "numel": "int64",
-    "norm": "float64",
-    "mean": "float64",
-    "std": "float64",
-    "absmax": "float64",
-    "zero_frac": "float64",
-    "nan": "bool",
-    "inf": "bool",
-    "pre_norm": "float64",
-}
-
-_FINDING_DTYPES: dict[str, str] = {
-    "step": "int64",
-    "layer": "object",
-    "tensor": "object",
-    "issue": "object",
-    "severity": "object",
-    "value": "float64",
-    "threshold": "float64",
-    "message": "object",
-}
-
-_EVENT_DTYPES: dict[str, str] = {
-    "step": "int64",
-    "layer": "object",
-    "tensor": "object",
-    "depth": "int64",
-    "event": "object",
-    "detail": "object",
-}
 
 SUMMARY_COLUMNS: tuple[str, ...] = (
     "layer",
@@ -95,19 +63,18 @@ def record_frame(records: Sequence[Record]) -> pd.DataFrame:
     has_pre = any(not math.isnan(r.pre_norm) for r in records)
     columns = (*RECORD_COLUMNS, "pre_norm") if has_pre else RECORD_COLUMNS
     rows = records if has_pre else [r[:-1] for r in records]
-    return _typed(rows, columns, _RECORD_DTYPES)
+    return _typed(rows, columns, RECORD_DTYPES)
 
 
 def event_frame(events: Sequence[Event]) -> pd.DataFrame:
     """Return the structural events (no gradient, detached output, ...) as a DataFrame."""
-    return _typed(events, EVENT_COLUMNS, _EVENT_DTYPES)
+    return _typed(events, EVENT_COLUMNS, EVENT_DTYPES)
 
 
 def finding_frame(findings: Sequence[Finding]) -> pd.DataFrame:
     """Return the findings as a DataFrame ordered by step, severity and depth of discovery."""
-    order = {"error": 0, "warning": 1, "info": 2}
-    ranked = sorted(findings, key=lambda f: (f.step, order.get(f.severity, 3)))
-    return _typed(ranked, FINDING_COLUMNS, _FINDING_DTYPES)
+    ranked = sorted(findings, key=lambda f: (f.step, -Severity.rank(f.severity)))
+    return _typed(ranked, FINDING_COLUMNS, FINDING_DTYPES)
 
 
 def summary_frame(records: pd.DataFrame, findings: pd.DataFrame) -> pd.DataFrame:
@@ -144,7 +111,7 @@ def summary_frame(records: pd.DataFrame, findings: pd.DataFrame) -> pd.DataFrame
             bucket.append(issue)
     out["issues"] = [", ".join(issues.get(layer, ())) for layer in out["layer"]]
     out["nonfinite_steps"] = out["nonfinite_steps"].astype("int64")
-    kind_rank = np.where(out["kind"] == "activation", 0, 1)
+    kind_rank = np.where(out["kind"] == Kind.ACTIVATION.value, 0, 1)
     out = out.assign(_rank=kind_rank).sort_values(["depth", "_rank", "tensor"], kind="stable")
     return out.drop(columns="_rank").reset_index(drop=True)[list(SUMMARY_COLUMNS)]
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from graddebug.config import Thresholds
     from graddebug.detectors import Evidence
     from graddebug.records import Finding
+    from graddebug.report.report import Report
 
 __all__ = ["hookimpl", "hookspec"]
 
@@ -54,4 +55,22 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
 
     Returns:
         The findings this detector sees; an empty list when the gradients look healthy.
+    """
+
+
+@hookspec(firstresult=True)
+def graddebug_demo(steps: int, seed: int) -> Report | None:
+    """Train the built-in demonstration model under ``watch`` and return its run.
+
+    Implemented by framework adapters (the torch adapter trains a deep sigmoid MLP whose first
+    layers get no gradient); ``graddebug demo`` calls it, so that the command line imports no
+    adapter. An implementation returns None when its framework is not installed.
+
+    Args:
+        steps: Training steps to run.
+        seed: Seed of the model and the data.
+
+    Returns:
+        The :class:`graddebug.Report` of the run, whose ``metadata["demo"]`` describes the
+        model and the data in a sentence; or None to let another plugin answer.
     """

@@ -1,15 +1,28 @@
-"""The plugin manager: hook specs, built-in plugins, then entry points of group ``graddebug``."""
+"""The plugin manager (hook specs, built-in plugins, then entry points of group
+``graddebug``) and the adapter lookup: which installed adapter claims an object."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+from typing import TYPE_CHECKING
 
 import pluggy
 
 from graddebug import hookspecs
+from graddebug.errors import NoAdapterError
 
-__all__ = ["DEFAULT_PLUGINS", "PROJECT", "get_plugin_manager", "new_plugin_manager"]
+if TYPE_CHECKING:
+    from graddebug.adapter import AdapterFactory
+
+__all__ = [
+    "DEFAULT_PLUGINS",
+    "KNOWN_FRAMEWORKS",
+    "PROJECT",
+    "find_adapter",
+    "get_plugin_manager",
+    "new_plugin_manager",
+]
 
 PROJECT = "graddebug"
 
@@ -51,3 +64,48 @@ def get_plugin_manager() -> pluggy.PluginManager:
     every later ``watch``. Pass ``plugin_manager=`` to ``watch`` to use another one instead.
     """
     return new_plugin_manager()
+
+
+KNOWN_FRAMEWORKS: dict[str, tuple[str, str]] = {
+    "torch": ("torch", "pip install graddebug[torch]"),
+    "tensorflow": ("tensorflow", "pip install graddebug[tensorflow]"),
+    "keras": ("tensorflow", "pip install graddebug[tensorflow]"),
+}
+"""Frameworks graddebug serves, by top-level module: the adapter's name and its install hint."""
+
+
+def find_adapter(pm: pluggy.PluginManager, target: object) -> AdapterFactory:
+    """Ask every plugin which adapter watches ``target``.
+
+    Args:
+        pm: The plugin manager.
+        target: A model, a tensor or a variable.
+
+    Returns:
+        The first adapter factory that claims ``target``.
+
+    Raises:
+        NoAdapterError: No installed adapter claims it; the message names the type, lists the
+            installed adapters and gives the pip command that would add the missing one.
+    """
+    factory: AdapterFactory | None = pm.hook.graddebug_adapter(target=target)
+    if factory is not None:
+        return factory
+    cls = type(target)
+    installed = sorted({impl.plugin_name for impl in pm.hook.graddebug_adapter.get_hookimpls()})
+    missing = sorted({hint for name, hint in KNOWN_FRAMEWORKS.values() if name not in installed})
+    root = cls.__module__.split(".", 1)[0]
+    lines = [
+        f"graddebug cannot watch an object of type {cls.__module__}.{cls.__qualname__}: "
+        "no installed adapter claims it.",
+        f"Installed adapters: {', '.join(installed) or 'none'}.",
+    ]
+    if root in KNOWN_FRAMEWORKS and KNOWN_FRAMEWORKS[root][0] not in installed:
+        lines.append(f"To watch {root} models: {KNOWN_FRAMEWORKS[root][1]}")
+    elif missing:
+        lines.append("Adapters that are not installed: " + "; ".join(missing) + ".")
+    lines.append(
+        "Pass a model (torch.nn.Module, keras.Model), params={name: tensor}, "
+        "or use watch() with tap(tensor, name)."
+    )
+    raise NoAdapterError("\n".join(lines))

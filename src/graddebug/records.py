@@ -1,9 +1,11 @@
-"""The record schema: what adapters hand to the core, and what the diagnoses hand back.
+"""The one schema: what adapters hand to the core, and what the diagnoses hand back.
 
 Adapters append :class:`Record` rows (one per step and tensor) and :class:`Event` rows
 (structural facts, such as "this parameter got no gradient") to the Watcher's buffer. Detectors
-turn them into :class:`Finding` rows. The DataFrames in :mod:`graddebug.frames` are built once
-from these plain tuples.
+turn them into :class:`Finding` rows. This module owns their fields, the pandas dtype of every
+column (:data:`RECORD_DTYPES`, :data:`EVENT_DTYPES`, :data:`FINDING_DTYPES`), and the enums of
+kinds, events, issues and severities. The DataFrames (:mod:`graddebug.frames`) and the run
+files (:mod:`graddebug.runs`) are built from these definitions and nothing else.
 """
 
 from __future__ import annotations
@@ -14,15 +16,28 @@ from typing import NamedTuple
 
 __all__ = [
     "EVENT_COLUMNS",
+    "EVENT_DTYPES",
     "FINDING_COLUMNS",
+    "FINDING_DTYPES",
     "RECORD_COLUMNS",
+    "RECORD_DTYPES",
     "Event",
     "EventKind",
     "Finding",
     "Issue",
+    "Kind",
     "Record",
     "Severity",
 ]
+
+
+class Kind(str, Enum):
+    """What a record's gradient belongs to."""
+
+    ACTIVATION = "activation"
+    """The gradient at a layer's output or at a tap."""
+    PARAMETER = "parameter"
+    """The gradient of a parameter (a weight, a bias, a ``params=`` entry)."""
 
 
 class Record(NamedTuple):
@@ -103,6 +118,15 @@ class Record(NamedTuple):
 RECORD_COLUMNS: tuple[str, ...] = Record._fields[:-1]
 """The frame's columns in contract order; ``pre_norm`` follows only where an intervention acted."""
 
+_OBJ, _I64, _F64, _BOOL = "object", "int64", "float64", "bool"
+
+RECORD_DTYPES: dict[str, str] = {
+    "step": _I64, "layer": _OBJ, "tensor": _OBJ, "kind": _OBJ, "depth": _I64, "shape": _OBJ,
+    "numel": _I64, "norm": _F64, "mean": _F64, "std": _F64, "absmax": _F64, "zero_frac": _F64,
+    "nan": _BOOL, "inf": _BOOL, "pre_norm": _F64,
+}
+"""The pandas dtype of every :class:`Record` field, ``pre_norm`` included."""
+
 
 class EventKind(str, Enum):
     """Structural facts an adapter observes, that statistics alone cannot show."""
@@ -130,6 +154,11 @@ class Event(NamedTuple):
 
 EVENT_COLUMNS: tuple[str, ...] = Event._fields
 
+EVENT_DTYPES: dict[str, str] = {
+    "step": _I64, "layer": _OBJ, "tensor": _OBJ, "depth": _I64, "event": _OBJ, "detail": _OBJ,
+}
+"""The pandas dtype of every :class:`Event` field."""
+
 
 class Issue(str, Enum):
     """What a finding is about."""
@@ -148,6 +177,16 @@ class Severity(str, Enum):
     INFO = "info"
     WARNING = "warning"
     ERROR = "error"
+
+    @classmethod
+    def rank(cls, value: str) -> int:
+        """How bad a severity is, for sorting: 3 for ``error`` down to 1 for ``info``, and 0
+        for a value a third-party detector made up."""
+        return _SEVERITY_RANK.get(value, 0)
+
+
+_SEVERITY_RANK: dict[str, int] = {Severity.ERROR.value: 3, Severity.WARNING.value: 2,
+                                  Severity.INFO.value: 1}
 
 
 class Finding(NamedTuple):
@@ -175,3 +214,9 @@ class Finding(NamedTuple):
 
 
 FINDING_COLUMNS: tuple[str, ...] = Finding._fields
+
+FINDING_DTYPES: dict[str, str] = {
+    "step": _I64, "layer": _OBJ, "tensor": _OBJ, "issue": _OBJ, "severity": _OBJ,
+    "value": _F64, "threshold": _F64, "message": _OBJ,
+}
+"""The pandas dtype of every :class:`Finding` field."""

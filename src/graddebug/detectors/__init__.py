@@ -1,22 +1,60 @@
-"""Built-in diagnoses, one plugin module each, and the evidence they share.
+"""Built-in diagnoses, one plugin module each, the evidence they share, and :func:`diagnose`.
 
 Each module implements the ``graddebug_findings`` hook. They read only the record frame and the
-structural events, so they serve every framework unchanged.
+structural events, so they serve every framework unchanged. :func:`diagnose` runs every detector
+plugin (built-in or installed) over a run's frames; the live Watcher and a loaded Report both
+call it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from graddebug.records import Finding, Issue, Severity
+from graddebug.frames import finding_frame
+from graddebug.plugins import get_plugin_manager
+from graddebug.records import Finding, Issue, Kind, Severity
 
-__all__ = ["Evidence", "as_int", "finding", "fmt"]
+if TYPE_CHECKING:
+    import pluggy
+
+    from graddebug.config import Thresholds
+
+__all__ = ["Evidence", "as_int", "diagnose", "finding", "fmt"]
+
+
+def diagnose(
+    records: pd.DataFrame,
+    events: pd.DataFrame,
+    thresholds: Thresholds,
+    *,
+    extra: Iterable[Finding] = (),
+    plugin_manager: pluggy.PluginManager | None = None,
+) -> pd.DataFrame:
+    """Run every detector plugin over recorded frames.
+
+    Args:
+        records: A record frame (``Watcher.frame()``).
+        events: An event frame (``Watcher.events()``).
+        thresholds: The thresholds the detectors apply.
+        extra: Findings that come from elsewhere (internal errors) and join the result.
+        plugin_manager: The manager whose detectors run; the process-wide one by default.
+
+    Returns:
+        The findings frame, ordered by step and severity.
+    """
+    pm = plugin_manager or get_plugin_manager()
+    evidence = Evidence(records=records, events=events)
+    found: list[Finding] = list(extra)
+    for batch in pm.hook.graddebug_findings(evidence=evidence, thresholds=thresholds):
+        found.extend(batch)
+    return finding_frame(found)
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,7 +75,7 @@ class Evidence:
         """The kind that depth-ordered rules compare: layer outputs when they were captured,
         else parameters."""
         kinds = set(self.records["kind"])
-        return "activation" if "activation" in kinds else "parameter"
+        return Kind.ACTIVATION.value if Kind.ACTIVATION.value in kinds else Kind.PARAMETER.value
 
     def layer_norms(self, kind: str | None = None) -> pd.DataFrame:
         """Per (step, layer): the layer's gradient norm, pooled over its tensors of ``kind``.

@@ -7,7 +7,7 @@ import pandas as pd
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
-from graddebug.records import EventKind, Finding, Issue, Severity
+from graddebug.records import EventKind, Finding, Issue, Kind, Severity
 
 _CAUSES = "a .detach(), tf.stop_gradient, a numpy round trip (.numpy()/np.asarray), or no_grad"
 
@@ -55,7 +55,7 @@ def _boundaries(evidence: Evidence) -> list[Finding]:
     if unreached.empty:
         return []
     records = evidence.records
-    reached = records[(records["kind"] == "activation") & (records["depth"] >= 0)]
+    reached = records[(records["kind"] == Kind.ACTIVATION.value) & (records["depth"] >= 0)]
     found: dict[str, Finding] = {}
     for step, lost in unreached.groupby("step", sort=True):
         got = reached[reached["step"] == step]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
-from graddebug.records import Finding, Issue, Severity
+from graddebug.records import Finding, Issue, Kind, Severity
 
 
 @hookimpl
@@ -14,7 +14,7 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     records = evidence.records
     if records.empty:
         return []
-    rows = records[(records["kind"] == "activation") & records["zero_frac"].notna()]
+    rows = records[(records["kind"] == Kind.ACTIVATION.value) & records["zero_frac"].notna()]
     gamma = thresholds.dead_fraction
     out = []
     for (layer, tensor), group in rows.groupby(["layer", "tensor"], sort=False):

@@ -11,7 +11,7 @@ from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding, fmt
 from graddebug.detectors._depth import depth_ratio_hits
 from graddebug.hookspecs import hookimpl
-from graddebug.records import Finding, Issue, Severity
+from graddebug.records import Finding, Issue, Kind, Severity
 
 _ADVICE = (
     "Try gradient clipping (torch clip_grad_norm_, Keras clipnorm= on the optimizer), a lower "
@@ -71,7 +71,7 @@ def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
                 f"{fmt(hit.worst)} times that of the last layer {hit.last_layer!r} (threshold "
                 f"{limit:g}) in {hit.steps} of {evidence.steps()} steps. {_ADVICE}"
             ),
-            tensor="output" if evidence.basis == "activation" else "", value=hit.worst,
+            tensor="output" if evidence.basis == Kind.ACTIVATION.value else "", value=hit.worst,
             threshold=limit,
         )
         for hit in hits.values()

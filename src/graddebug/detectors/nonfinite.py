@@ -7,7 +7,7 @@ import pandas as pd
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
-from graddebug.records import EventKind, Finding, Issue, Severity
+from graddebug.records import EventKind, Finding, Issue, Kind, Severity
 
 _FORWARD_ADVICE = (
     "Look for log/sqrt/pow/division of non-positive or zero values, or overflow, in its "
@@ -62,13 +62,14 @@ def _origin(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
         )
     if bad.empty:
         return None
-    kind = "activation" if (bad["kind"] == "activation").any() else "parameter"
+    activations = bool((bad["kind"] == Kind.ACTIVATION.value).any())
+    kind = Kind.ACTIVATION.value if activations else Kind.PARAMETER.value
     ordered = step_rows[step_rows["kind"] == kind].sort_values("depth", ascending=False,
                                                                kind="stable")
     previous = None
     for row in ordered.itertuples():
         if row.nan or row.inf:
-            where = f"the output of {row.layer!r}" if kind == "activation" else repr(row.layer)
+            where = f"the output of {row.layer!r}" if activations else repr(row.layer)
             after = (
                 f"while {previous!r}, just downstream, was finite: the backward of {previous!r} "
                 "produced it. "

@@ -8,7 +8,7 @@ from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding, fmt
 from graddebug.detectors._depth import depth_ratio_hits
 from graddebug.hookspecs import hookimpl
-from graddebug.records import Finding, Issue, Severity
+from graddebug.records import Finding, Issue, Kind, Severity
 
 _ADVICE = (
     "Try ReLU/GELU instead of sigmoid/tanh, He or Xavier initialisation, a normalisation "
@@ -38,7 +38,8 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
                 f"of the last layer {hit.last_layer!r} (threshold {ratio_t:g}) in {hit.steps} "
                 f"of {total} steps. {_ADVICE}"
             ),
-            tensor="output" if kind == "activation" else "", value=hit.worst, threshold=ratio_t,
+            tensor="output" if kind == Kind.ACTIVATION.value else "", value=hit.worst,
+            threshold=ratio_t,
         )
         for hit in hits.values()
     ]

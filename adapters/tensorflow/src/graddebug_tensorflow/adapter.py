@@ -19,17 +19,16 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from graddebug.adapter import StepResult, WatchContext, WatchOptions
-from graddebug.errors import ConfigError, GradDebugError
-from graddebug.interventions import Intervention
+from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.capture.layers import Intervention, LayerSpec
+from graddebug.errors import ConfigError
 from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.outputs import (
-    Layer,
     Slot,
-    check_mask,
     differentiable,
     intervene,
+    is_mask_tensor,
     leaf_names,
     unit_axis,
 )
@@ -69,7 +68,7 @@ class _Patch:
             object.__delattr__(self.obj, self.attr)
 
 
-class TensorFlowAdapter:
+class TensorFlowAdapter(BaseAdapter):
     """Watches a Keras model or layer, named variables (``params=``), and taps."""
 
     name = "tensorflow"
@@ -92,12 +91,10 @@ class TensorFlowAdapter:
                     f"Keras runs on the {keras.backend.backend()!r} backend; graddebug's "
                     "TensorFlow adapter needs KERAS_BACKEND=tensorflow."
                 )
-        self._ctx = context
+        super().__init__(context, options)
         self._model = model
-        self._options = options
         self._buffers = StateBuffers()
         self._index = LayerIndex(model) if model is not None else None
-        self._layers: dict[str, Layer] = {}
         self._targets: dict[str, Any] = {}  # layer name -> keras layer
         self._slots: dict[tuple[str, str, int], Slot] = {}
         self._graph_calls: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], int]] = (
@@ -105,49 +102,18 @@ class TensorFlowAdapter:
         )
         self._patches: list[_Patch] = []
         self._eager_calls: dict[tuple[str, str], int] = {}
-        self._matched: set[str] = set()
-        self._next_depth = 0
         self._recording_var: tf.Variable | None = None
         self._scaler: Any = None  # a LossScaleOptimizer whose scale layer gradients carry
-        self.last_result = StepResult()
-        self._resolve(params or {})
+        if self._index is not None:
+            self._targets = self._add_layers(
+                self._index.named, self._index.select(options.layers),
+                lambda layer: getattr(layer, "data_format", None) == "channels_first")
+        self._add_param_keys(params or {})
         self._params = ParamSet(
             self._buffers, self._index, params or {},
             None if options.layers is None else list(self._targets),
             options.keep, options.param_stats == "full",
         )
-
-    # -- set-up ----------------------------------------------------------------------------
-
-    def _resolve(self, params: Mapping[str, Any]) -> None:
-        options = self._options
-        wanted = set(options.keep) | set(options.intervene)
-        if self._index is not None:
-            named = self._index.named
-            selected = self._index.select(options.layers)
-            for extra in wanted & named.keys():
-                selected.setdefault(extra, named[extra])
-            for name, layer in selected.items():
-                self._targets[name] = layer
-                intervention = options.intervene.get(name)
-                keep = name in options.keep
-                self._layers[name] = Layer(
-                    name=name,
-                    channels_first=getattr(layer, "data_format", None) == "channels_first",
-                    keep=keep,
-                    intervention=intervention,
-                    capture=options.outputs or keep or intervention is not None,
-                )
-            self._matched |= wanted & named.keys()
-        for key in params:
-            self._layers.setdefault(key, Layer(name=key, depth=self._take_depth()))
-            if key in wanted:
-                self._matched.add(key)
-
-    def _take_depth(self) -> int:
-        depth = self._next_depth
-        self._next_depth += 1
-        return depth
 
     # -- Adapter protocol ---------------------------------------------------------------
 
@@ -163,8 +129,6 @@ class TensorFlowAdapter:
             self._patch(target, "call", self._wrap_call(self._layers[name], target.call))
         if self._model is not None:
             self._reset_compiled()
-        if self._options.optimizer is not None:
-            self.wrap_optimizer(self._options.optimizer)
 
     def detach(self) -> None:
         """Restore every ``call`` and optimizer method, and drop the functions Keras compiled
@@ -186,9 +150,17 @@ class TensorFlowAdapter:
             if getattr(self._model, attr, None) is not None:
                 setattr(self._model, attr, None)
 
-    def wrap_optimizer(self, optimizer: Any) -> None:
+    def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None = None) -> None:
         """Take parameter gradients from ``optimizer.apply`` (the inner optimizer of a
-        ``LossScaleOptimizer``, whose gradients are already unscaled)."""
+        ``LossScaleOptimizer``, whose gradients are already unscaled).
+
+        ``on_step`` is not called: an optimizer step inside a compiled ``tf.function`` cannot
+        call back into Python each step, so ``dbg.step()`` (or ``dbg.callback()``) closes the
+        step.
+
+        Raises:
+            ConfigError: ``optimizer`` has no ``apply`` method.
+        """
         target = getattr(optimizer, "inner_optimizer", None) or optimizer
         if target is not optimizer and hasattr(optimizer, "initial_scale"):
             self._scaler = optimizer
@@ -218,16 +190,8 @@ class TensorFlowAdapter:
         acts, params = self._buffers.peek()
         return bool((acts[:, Col.BWD] > 0).any() or (params[:, 0] > 0).any())
 
-    def matched_names(self) -> set[str]:
-        """Names from ``keep=``/``intervene=`` that matched a layer, a param key or a tap."""
-        return set(self._matched)
-
-    def known_names(self) -> list[str]:
-        """Every watched layer, model layer and tap name."""
-        names = list(self._layers)
-        if self._index is not None:
-            names += list(self._index.named)
-        return list(dict.fromkeys(names))
+    def _model_layer_names(self) -> list[str]:
+        return list(self._index.named) if self._index is not None else []
 
     def train_step(
         self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any
@@ -254,11 +218,11 @@ class TensorFlowAdapter:
         """A Keras callback for ``model.fit`` that closes a step after each batch."""
         from graddebug_tensorflow.callback import GradDebugCallback
 
-        return GradDebugCallback(self, self._ctx, **options)
+        return GradDebugCallback(self._ctx, **options)
 
     # -- layer outputs and taps -----------------------------------------------------------
 
-    def _wrap_call(self, layer: Layer, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_call(self, layer: LayerSpec, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
             return self._on_output(layer, original(*args, **kwargs))
@@ -274,16 +238,10 @@ class TensorFlowAdapter:
             )
         if isinstance(tensor, (tf.Variable, keras.Variable)):
             tensor = tf.convert_to_tensor(tensor)
-        layer = self._layers.get(name)
-        if layer is None:
-            layer = self._layers[name] = Layer(name=name, keep=name in self._options.keep)
-        if name in self._options.keep or name in self._options.intervene:
-            self._matched.add(name)
-        layer.intervention = intervention
-        return self._on_output(layer, tensor)
+        return self._on_output(self._tap_layer(name, intervention), tensor)
 
-    def _on_output(self, layer: Layer, output: Any) -> Any:
-        try:
+    def _on_output(self, layer: LayerSpec, output: Any) -> Any:
+        with self._fail_open(layer.name):
             leaves = tf.nest.flatten(output)
             if not any(differentiable(t) for t in leaves):
                 return output  # symbolic (KerasTensor) or integer outputs
@@ -298,16 +256,12 @@ class TensorFlowAdapter:
                 for tname, t in zip(names, leaves, strict=True)
             ]
             return tf.nest.pack_sequence_as(output, new)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: a graddebug bug must not stop training
-            self._ctx.internal_error(exc, layer.name)
-            return output
+        return output  # fail-open: a graddebug bug leaves the output as it was
 
-    def _watch(self, layer: Layer, tname: str, tensor: tf.Tensor, eager: bool) -> tf.Tensor:
+    def _watch(self, layer: LayerSpec, tname: str, tensor: tf.Tensor, eager: bool) -> tf.Tensor:
         spec = layer.intervention
         if spec is not None and spec.mask is not None and not spec.mask_is_callable:
-            check_mask(layer, tensor, spec.mask)
+            layer.check_mask(spec.mask, tuple(tensor.shape), is_mask_tensor(spec.mask))
         record = layer.capture and (not eager or self._ctx.recording)
         if not record and (spec is None or not spec.active):
             return tensor
@@ -327,7 +281,7 @@ class TensorFlowAdapter:
 
         return identity(tensor)
 
-    def _slot(self, layer: Layer, tname: str, eager: bool) -> Slot:
+    def _slot(self, layer: LayerSpec, tname: str, eager: bool) -> Slot:
         if eager:
             calls = self._eager_calls
         else:
@@ -347,7 +301,7 @@ class TensorFlowAdapter:
 
     def _on_grad(
         self,
-        layer: Layer,
+        layer: LayerSpec,
         slot: Slot | None,
         spec: Intervention | None,
         unit_axis: int | None,
@@ -358,7 +312,7 @@ class TensorFlowAdapter:
             new = intervene(spec, layer.name, dy, self._ctx.internal_error)
         if slot is None:
             return new
-        try:
+        with self._fail_open(layer.name):
             pre = dy if new is not dy else None
 
             def write() -> tf.Tensor:
@@ -372,10 +326,6 @@ class TensorFlowAdapter:
                 return tf.constant(True)
 
             self._when_recording(write)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open
-            self._ctx.internal_error(exc, layer.name)
         return new
 
     def _when_recording(self, write: Callable[[], tf.Tensor]) -> None:
@@ -388,14 +338,10 @@ class TensorFlowAdapter:
     # -- parameter gradients ------------------------------------------------------------
 
     def _on_apply(self, grads: list[Any], variables: list[Any]) -> None:
-        try:
-            if tf.executing_eagerly() and not self._ctx.recording:
-                return
+        if tf.executing_eagerly() and not self._ctx.recording:
+            return
+        with self._fail_open("optimizer"):
             self._when_recording(lambda: self._params.write_applied(grads, variables))
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open
-            self._ctx.internal_error(exc, "optimizer")
 
     # -- closing a step -----------------------------------------------------------------
 
@@ -406,25 +352,19 @@ class TensorFlowAdapter:
                 self._params.write_given(list(grads))  # checks the count on every step
             if not record:
                 self._buffers.clear()
-                self.last_result = StepResult()
-                return self.last_result
+                return StepResult()
             acts, rows = self._buffers.read_and_clear()
             result = step_records(step, list(self._slots.values()), acts)
             param_records(step, self._params.resolve(), rows, result, grads is not None,
-                          self._depth)
-            self.last_result = result
+                          self._param_depth)
             return result
         finally:
             self._eager_calls.clear()
             if self._recording_var is not None:
                 self._recording_var.assign((step + 1) % self._options.every == 0)
 
-    def _depth(self, param: Param) -> int:
-        for name in param.chain:
-            layer = self._layers.get(name)
-            if layer is not None and layer.depth >= 0:
-                return layer.depth
-        return -1
+    def _param_depth(self, param: Param) -> int:
+        return self._depth_of(param.chain)
 
 
 _write_forward = compiled(write_forward)

@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from graddebug.stopping import nonfinite, parse_stop_on, stop_reason
+from graddebug.integrations.stopping import nonfinite, parse_stop_on, stop_reason
 
 if TYPE_CHECKING:
     from graddebug.adapter import WatchContext
-    from graddebug_tensorflow.adapter import TensorFlowAdapter
 
 __all__ = ["GradDebugCallback"]
 
@@ -26,7 +25,6 @@ class GradDebugCallback(keras.callbacks.Callback):
     parameter gradients from the model's optimizer, so ``model.fit`` needs no other change.
 
     Args:
-        adapter: The TensorFlow adapter of the active Watcher.
         context: The Watcher.
         stop_on: Issues that stop training (``model.stop_training = True``) at the batch where
             they first appear; ``("nonfinite",)`` is TerminateOnNaN that names the layer.
@@ -35,11 +33,8 @@ class GradDebugCallback(keras.callbacks.Callback):
         stop_reason: Why training was stopped, naming the layer; None while it was not.
     """
 
-    def __init__(
-        self, adapter: TensorFlowAdapter, context: WatchContext, stop_on: Iterable[str] = ()
-    ) -> None:
+    def __init__(self, context: WatchContext, stop_on: Iterable[str] = ()) -> None:
         super().__init__()
-        self._adapter = adapter
         self._context = context
         self.stop_on = parse_stop_on(stop_on, "dbg.callback()")
         self.stop_reason: str | None = None
@@ -47,15 +42,16 @@ class GradDebugCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Take parameter gradients from the optimizer that ``fit`` uses."""
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None:
-            self._adapter.wrap_optimizer(optimizer)
+        adapter = self._context.adapter
+        if optimizer is not None and adapter is not None:
+            adapter.bind_optimizer(optimizer, None)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Close the batch's step; stop training on a finding named in ``stop_on``."""
         step = self._context.step_index
-        self._context.step()
-        result = self._adapter.last_result
-        if self.stop_on and self.stop_reason is None and nonfinite(result):
+        result = self._context.step()
+        if (self.stop_on and self.stop_reason is None and result is not None
+                and nonfinite(result)):
             self.stop_reason = stop_reason(self._context.findings(), step, result)
             logger.warning(self.stop_reason)
             self.model.stop_training = True

@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from graddebug.selection import select_layers
+from graddebug.capture.layers import select_layers
 
 __all__ = ["LayerIndex", "children", "short_name"]
 

@@ -1,4 +1,5 @@
-"""Layer outputs and taps: what is watched, where its row is, and checks on interventions."""
+"""Layer outputs and taps: where each one's row is, which outputs are differentiable, how their
+parts are named, and interventions as TF applies them."""
 
 from __future__ import annotations
 
@@ -10,39 +11,24 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from graddebug.errors import MaskShapeError
-from graddebug.interventions import Intervention, intervene_fail_open
+from graddebug.capture.layers import Intervention, LayerSpec, intervene_fail_open
 from graddebug_tensorflow.stats import apply_intervention
 
 __all__ = [
-    "Layer",
     "Slot",
-    "check_mask",
     "differentiable",
     "intervene",
+    "is_mask_tensor",
     "leaf_names",
     "unit_axis",
 ]
 
 
 @dataclass
-class Layer:
-    """A watched layer, tap or ``params=`` entry."""
-
-    name: str
-    channels_first: bool = False
-    keep: bool = False
-    intervention: Intervention | None = None
-    capture: bool = True
-    depth: int = -1
-    mask_checked: bool = False
-
-
-@dataclass
 class Slot:
     """The buffer row of one (layer, output, call index)."""
 
-    layer: Layer
+    layer: LayerSpec
     tensor: str
     ordinal: int
     var: tf.Variable
@@ -52,31 +38,15 @@ class Slot:
     keep_var: tf.Variable | None = None
 
 
-def check_mask(layer: Layer, tensor: tf.Tensor, mask: Any) -> None:
-    """Check, at the first forward, that a mask tensor broadcasts to the layer's output.
-
-    Raises:
-        MaskShapeError: It does not; the message names the layer and both shapes.
-    """
-    if layer.mask_checked:
-        return
-    shape = tuple(getattr(mask, "shape", ()))
-    target = tuple(tensor.shape)
-    if not isinstance(mask, (tf.Tensor, tf.Variable, np.ndarray)) or not _broadcasts(
-        shape, target
-    ):
-        raise MaskShapeError(
-            f"the mask for {layer.name!r} has shape {shape} but the gradient there has "
-            f"shape {target}; give a tensor that broadcasts to it (e.g. shape "
-            "(1, features)) or a callable grad -> grad."
-        )
-    layer.mask_checked = True
+def is_mask_tensor(mask: Any) -> bool:
+    """Whether ``mask`` is a tensor TF can apply as a mask (a tensor, a variable, an array)."""
+    return isinstance(mask, (tf.Tensor, tf.Variable, np.ndarray))
 
 
 def intervene(spec: Intervention, name: str, grad: tf.Tensor,
               on_bug: Callable[[BaseException, str], None]) -> tf.Tensor:
     """Apply ``spec`` to ``grad`` as every adapter does (see
-    :func:`graddebug.interventions.intervene_fail_open`); shapes TF leaves unknown until run
+    :func:`graddebug.capture.layers.intervene_fail_open`); shapes TF leaves unknown until run
     time are not compared."""
     return intervene_fail_open(spec, name, grad, apply_intervention, _fits, on_bug)
 
@@ -122,13 +92,3 @@ def unit_axis(rank: int | None, channels_first: bool) -> int | None:
     if rank is None or rank < 2:
         return None
     return 1 if channels_first else rank - 1
-
-
-def _broadcasts(shape: tuple[Any, ...], target: tuple[Any, ...]) -> bool:
-    if len(shape) > len(target):
-        return False
-    for have, want in zip(reversed(shape), reversed(target), strict=False):
-        if have not in (1, want) and want is not None:
-            return False
-    return True
-

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from graddebug.adapter import StepResult
-from graddebug.records import Event, EventKind, Record
+from graddebug.capture.layers import keep_label
+from graddebug.records import Event, EventKind, Kind, Record
 from graddebug_tensorflow.stats import Col
 
 if TYPE_CHECKING:
@@ -50,10 +51,7 @@ def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray) -> StepResu
                                           [acts[s.index] for s in reached]))
         for s in reached:
             if s.keep_var is not None:
-                label = name if tname == "output" else f"{name}.{tname}"
-                if s.ordinal:
-                    label = f"{label}#{s.ordinal}"
-                result.kept[label] = s.keep_var.numpy().copy()
+                result.kept[keep_label(name, tname, s.ordinal)] = s.keep_var.numpy().copy()
     return result
 
 
@@ -70,7 +68,7 @@ def _activation(step: int, layer: str, tname: str, depth: int,
     rank = int(first[Col.RANK])
     dims = tuple(int(d) for d in first[Col.DIMS : Col.DIMS + rank])
     return Record.from_sums(
-        step, layer, tname, "activation", depth, str(dims),
+        step, layer, tname, Kind.ACTIVATION.value, depth, str(dims),
         int(sum(r[Col.NUMEL] for r in rows)),
         norm=math.sqrt(sq) if sq >= 0 else math.nan,
         total=total,
@@ -106,7 +104,7 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
         sq, total, absmax = float(row[1]), float(row[2]), float(row[3])
         shape = tuple(int(d) for d in p.var.shape)
         result.records.append(Record.from_sums(
-            step, p.layer, p.tensor, "parameter", depth(p), str(shape),
+            step, p.layer, p.tensor, Kind.PARAMETER.value, depth(p), str(shape),
             int(np.prod(shape, dtype=np.int64)),
             norm=math.sqrt(sq) if sq >= 0 else math.nan,
             total=total,
@@ -116,4 +114,4 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
             inf=math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sq),
         ))
         if p.keep_var is not None:
-            result.kept[f"{p.layer}.{p.tensor}"] = p.keep_var.numpy().copy()
+            result.kept[keep_label(p.layer, p.tensor)] = p.keep_var.numpy().copy()

@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from graddebug.interventions import Intervention
+from graddebug.capture.layers import Intervention
 
 __all__ = [
     "ACT_WIDTH",

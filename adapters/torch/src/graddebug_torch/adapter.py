@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from graddebug.adapter import StepResult, WatchContext, WatchOptions
-from graddebug.errors import (
-    ConfigError,
-    GradDebugError,
-    GradientCountError,
-    MaskShapeError,
-    WatcherStateError,
+from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.capture.layers import (
+    Intervention,
+    LayerSpec,
+    intervene_fail_open,
+    keep_label,
+    select_layers,
 )
-from graddebug.interventions import Intervention, intervene_fail_open
+from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind
-from graddebug.selection import select_layers
+from graddebug_torch.params import (
+    TorchParam,
+    check_optimizer,
+    given_params,
+    model_params,
+    param_rows,
+)
 from graddebug_torch.stats import (
     acc_dtype,
     apply_intervention,
@@ -29,7 +34,7 @@ from graddebug_torch.stats import (
     unit_extremes,
     whole_absmax,
 )
-from graddebug_torch.step import Capture, ParamGrad, ParamRow, StepState, gather
+from graddebug_torch.step import Capture, ParamGrad, StepCaptures, gather
 
 __all__ = ["TorchAdapter"]
 
@@ -73,29 +78,15 @@ def _any_requires_grad(value: Any) -> bool:
     return any(t.requires_grad for _, t in _flatten(value))
 
 
-@dataclass
-class _Layer:
-    """A watched module (or tap) and what is known of it."""
-
-    name: str
-    channels_first: bool = False
-    depth: int = -1
-    keep: bool = False
-    intervention: Intervention | None = None
-    mask_checked: bool = False
-    capture: bool = True  # record the gradient at its outputs (False: parameters only)
+def _owns_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
 
 
-@dataclass
-class _Param:
-    layer: str
-    tensor: str
-    param: Tensor
-    owner_chain: tuple[str, ...]  # owner module name, then its ancestors
-    keep: bool = False
+def _fits(out: Any, grad: Tensor) -> bool:
+    return isinstance(out, Tensor) and out.shape == grad.shape
 
 
-class TorchAdapter:
+class TorchAdapter(BaseAdapter):
     """Watches a ``torch.nn.Module``, named tensors (``params=``), and taps.
 
     Activation gradients come from tensor hooks that forward hooks attach to each watched
@@ -117,79 +108,32 @@ class TorchAdapter:
                 f"the torch adapter watches torch.nn.Module models, not {type(model).__name__}; "
                 "pass tensors as params={'name': tensor} or use tap()."
             )
-        self._ctx = context
+        super().__init__(context, options)
         self._model: nn.Module | None = model
-        self._options = options
-        self._layers: dict[str, _Layer] = {}
         self._modules: dict[str, nn.Module] = {}
-        self._params: list[_Param] = []
-        self._module_handles: list[RemovableHandle] = []
-        self._state = StepState()
-        self._matched: set[str] = set()
-        self._next_depth = 0
-        self._closed_any = False
+        self._params: list[TorchParam] = []
+        self._handles: list[RemovableHandle] = []
+        self._state = StepCaptures()
         self._was_training: bool | None = None
         self._resolve(params)
-        # optimizer=: each optimizer step closes a graddebug step (see _on_optimizer_step).
-        self._optimizer = self._bind_optimizer(options.optimizer)
-        self._dirty = False  # gradients arrived, or the optimizer stepped, since the last close
-        self._user_closed = False  # a close that the optimizer hook did not make came last
-        self._in_hook = False
-        self._changed_in_place = False
-        self.last_result = StepResult()
-        """What the latest recorded step produced (callbacks log it without building a frame)."""
 
     # -- set-up ----------------------------------------------------------------------------
 
     def _resolve(self, params: Mapping[str, Any] | None) -> None:
         options = self._options
-        wanted = set(options.keep) | set(options.intervene)
         if self._model is not None:
             named = {self._name(n): m for n, m in self._model.named_modules()}
-            selected = self._select(named, options.layers)
-            for extra in wanted & named.keys():
-                selected.setdefault(extra, named[extra])
-            for name, module in selected.items():
-                self._modules[name] = module
-                keep = name in options.keep
-                intervention = options.intervene.get(name)
-                self._layers[name] = _Layer(
-                    name=name,
-                    channels_first=isinstance(module, _CHANNELS_FIRST),
-                    keep=keep,
-                    intervention=intervention,
-                    capture=options.outputs or keep or intervention is not None,
-                )
-            self._matched |= wanted & named.keys()
-            chosen = None if options.layers is None else set(selected)
-            for pname, param in self._model.named_parameters():
-                owner, _, short = pname.rpartition(".")
-                chain = tuple(_ancestors(owner))
-                if chosen is not None and not chosen.intersection(chain):
-                    continue
-                layer = self._name(owner)
-                self._params.append(
-                    _Param(layer, short, param, chain, keep=layer in options.keep)
-                )
-        for key, value in (params or {}).items():
-            if not isinstance(value, Tensor):
-                raise ConfigError(
-                    f"params[{key!r}] is a {type(value).__name__}, not a torch.Tensor."
-                )
-            if not value.is_leaf or not value.requires_grad:
-                raise ConfigError(
-                    f"params[{key!r}] must be a leaf tensor with requires_grad=True, so that "
-                    f"its .grad is filled; for an intermediate tensor use tap(t, {key!r})."
-                )
-            self._params.append(_Param(key, key, value, (key,), keep=key in options.keep))
-            self._layers.setdefault(key, _Layer(name=key, depth=self._take_depth()))
-            if key in wanted:
-                self._matched.add(key)
+            self._modules = self._add_layers(
+                named, self._select(named, options.layers),
+                lambda m: isinstance(m, _CHANNELS_FIRST))
+            chosen = None if options.layers is None else set(self._modules)
+            self._params = model_params(self._model, self._name, chosen, options.keep)
+        if params:
+            self._params += given_params(params, options.keep)
+            self._add_param_keys(params)
 
     def _name(self, qualified: str) -> str:
-        if qualified:
-            return qualified
-        return type(self._model).__name__
+        return qualified or type(self._model).__name__
 
     def _select(self, named: dict[str, nn.Module], layers: Sequence[Any] | None
                 ) -> dict[str, nn.Module]:
@@ -203,50 +147,44 @@ class TorchAdapter:
             }
         return select_layers(named, layers, noun="module", owner=type(self._model).__name__)
 
-    def _take_depth(self) -> int:
-        depth = self._next_depth
-        self._next_depth += 1
-        return depth
+    def _model_layer_names(self) -> list[str]:
+        if self._model is None:
+            return []
+        return [self._name(n) for n, _ in self._model.named_modules()]
 
     # -- Adapter protocol ---------------------------------------------------------------
 
     def attach(self) -> None:
-        """Register one forward hook per watched module."""
+        """Register one forward hook per watched module and one post-accumulate hook per
+        watched parameter."""
         if self._model is not None:
             self._was_training = self._model.training
         for name, module in self._modules.items():
             hook = functools.partial(self._on_forward, self._layers[name])
-            self._module_handles.append(module.register_forward_hook(hook))
+            self._handles.append(module.register_forward_hook(hook))
         for index, param in enumerate(self._params):
             if param.param.requires_grad:
-                self._module_handles.append(param.param.register_post_accumulate_grad_hook(
+                self._handles.append(param.param.register_post_accumulate_grad_hook(
                     functools.partial(self._on_param_grad, index)))
-        if self._optimizer is not None:
-            self._module_handles.append(
-                self._optimizer.register_step_post_hook(self._on_optimizer_step))
 
-    def _on_param_grad(self, index: int, param: Tensor) -> None:
-        # Holding the reference lets step() come after zero_grad(set_to_none=True). The sum of
-        # squares is taken now, while the gradient is still in cache; a gradient that changes
-        # afterwards (accumulation, clipping in place) is measured again when the step closes.
-        grad = param.grad
-        self._dirty = True
-        if not self._ctx.recording or grad is None:
-            return
-        try:
-            received = self._state.received
-            dense = not grad.is_sparse and grad.is_contiguous()
-            first = index not in received
-            sq = square_sum(grad) if first and dense else None
-            received[index] = ParamGrad(grad, sq, grad._version)
-        except Exception as exc:  # fail-open
-            self._ctx.internal_error(exc, self._params[index].layer)
+    def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None) -> None:
+        """Call ``on_step`` after each ``optimizer.step()`` (a step post-hook, removed on
+        exit): the gradients are still on ``p.grad`` then.
+
+        Raises:
+            ConfigError: ``optimizer`` is not a ``torch.optim.Optimizer`` or holds none of the
+                watched parameters.
+        """
+        optimizer = check_optimizer(optimizer, self._params)
+        if on_step is not None:
+            self._handles.append(optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: on_step()))
 
     def detach(self) -> None:
         """Remove every module and tensor hook; restore ``model.training``."""
-        for handle in self._module_handles:
+        for handle in self._handles:
             handle.remove()
-        self._module_handles.clear()
+        self._handles.clear()
         self._drop_step()
         if self._model is not None and self._was_training is not None:
             self._model.train(self._was_training)
@@ -254,20 +192,17 @@ class TorchAdapter:
     def has_pending(self) -> bool:
         """Whether the open step captured anything, or holds gradients nobody recorded."""
         state = self._state
-        if self._dirty or state.captures or state.expected:
+        if state.touched or state.captures or state.expected:
             return True
-        return not self._closed_any and any(p.param.grad is not None for p in self._params)
+        return self._ctx.step_index == 0 and any(p.param.grad is not None for p in self._params)
 
-    def matched_names(self) -> set[str]:
-        """Names from ``keep=``/``intervene=`` that matched a module, a param key or a tap."""
-        return set(self._matched)
+    def grads_changed_in_place(self) -> None:
+        """Say that parameter gradients changed in place unseen by autograd's version counter.
 
-    def known_names(self) -> list[str]:
-        """Every watched layer, module and tap name."""
-        names = list(self._layers)
-        if self._model is not None:
-            names += [self._name(n) for n, _ in self._model.named_modules()]
-        return list(dict.fromkeys(names))
+        ``GradScaler.unscale_`` divides them by the loss scale that way. The norms taken while
+        the gradients accumulated are then stale, and the step measures them again on closing.
+        """
+        self._state.changed_in_place = True
 
     def train_step(
         self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any
@@ -301,7 +236,7 @@ class TorchAdapter:
         """
         from graddebug_torch.lightning import GradDebugCallback
 
-        return GradDebugCallback.bound(self._ctx, self, **options)
+        return GradDebugCallback.bound(self._ctx, **options)
 
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
         """Hook ``tensor`` so that its gradient is recorded (and altered) under ``name``."""
@@ -310,15 +245,10 @@ class TorchAdapter:
                 f"tap({type(tensor).__name__}, {name!r}): the torch adapter taps torch.Tensor "
                 "objects only."
             )
+        layer = self._tap_layer(name, intervention)
         if not self._ctx.recording or not torch.is_grad_enabled():
             self._intervene_unrecorded(tensor, intervention, name)
             return tensor
-        layer = self._layers.get(name)
-        if layer is None:
-            layer = self._layers[name] = _Layer(name=name, keep=name in self._options.keep)
-        if name in self._options.keep or name in self._options.intervene:
-            self._matched.add(name)
-        layer.intervention = intervention
         if layer.depth < 0:
             layer.depth = self._take_depth()
         state = self._state
@@ -335,67 +265,31 @@ class TorchAdapter:
         self._watch_tensor(layer, "output", tensor)
         return tensor
 
-    def grads_changed_in_place(self) -> None:
-        """Say that parameter gradients changed in place unseen by autograd's version counter.
-
-        ``GradScaler.unscale_`` divides them by the loss scale that way. The norms taken while
-        the gradients accumulated are then stale, and the step measures them again on closing.
-        """
-        self._changed_in_place = True
-
-    # -- optimizer= -------------------------------------------------------------------------
-
-    def _bind_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
-        if optimizer is None:
-            return None
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"optimizer={optimizer!r} is a {type(optimizer).__name__}, not a "
-                "torch.optim.Optimizer; pass the optimizer whose step() ends each training step."
-            )
-        if self._params:
-            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if not any(id(p.param) in held for p in self._params):
-                watched = ", ".join(f"{p.layer}.{p.tensor}" for p in self._params[:5])
-                raise ConfigError(
-                    f"optimizer={type(optimizer).__name__} holds none of the watched parameters "
-                    f"({watched}{', ...' if len(self._params) > 5 else ''}); pass the optimizer "
-                    "built from this model's parameters, e.g. torch.optim.SGD(model.parameters())."
-                )
-        return optimizer
-
-    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Close the step after ``optimizer.step()``: the gradients are still on ``p.grad``.
-
-        A ``dbg.step()`` between backward and ``optimizer.step()`` closes the step early; then
-        this hook does nothing. One after ``optimizer.step()`` finds nothing to close and
-        raises (see :meth:`close_step`).
-        """
-        if self._user_closed and not self._dirty:
-            self._user_closed = False
-            return
-        self._dirty = True  # an optimizer step always ends a step, even one that captured nothing
-        self._in_hook = True
-        try:
-            self._ctx.step()
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: the user's optimizer step has already happened
-            self._ctx.internal_error(exc, f"{type(optimizer).__name__}.step")
-        finally:
-            self._in_hook = False
-            self._user_closed = False
-
     # -- hooks ------------------------------------------------------------------------------
 
-    def _on_forward(self, layer: _Layer, module: nn.Module, args: Any, output: Any) -> None:
+    def _on_param_grad(self, index: int, param: Tensor) -> None:
+        # Holding the reference lets step() come after zero_grad(set_to_none=True). The sum of
+        # squares is taken now, while the gradient is still in cache; a gradient that changes
+        # afterwards (accumulation, clipping in place) is measured again when the step closes.
+        grad = param.grad
+        state = self._state
+        state.touched = True
+        if not self._ctx.recording or grad is None:
+            return
+        with self._fail_open(self._params[index].layer):
+            dense = not grad.is_sparse and grad.is_contiguous()
+            first = index not in state.received
+            sq = square_sum(grad) if first and dense else None
+            state.received[index] = ParamGrad(grad, sq, grad._version)
+
+    def _on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self._ctx
         if not ctx.recording or not torch.is_grad_enabled():
             if layer.intervention is not None:  # keep unrecorded steps free of work otherwise
                 for _, tensor in _flatten(output):
                     self._intervene_unrecorded(tensor, layer.intervention, layer.name)
             return
-        try:
+        with self._fail_open(layer.name):
             if layer.depth < 0:
                 layer.depth = self._take_depth()
             tensors = (("output", output),) if isinstance(output, Tensor) else _flatten(output)
@@ -404,25 +298,19 @@ class TorchAdapter:
                     continue
                 if layer.capture:
                     self._watch_tensor(layer, tname, tensor)
-                if tensor.requires_grad:
-                    continue
-                if _any_requires_grad(args):
+                if not tensor.requires_grad and _any_requires_grad(args):
                     self._state.events.append(
                         Event(ctx.step_index, layer.name, tname, layer.depth,
                               EventKind.DETACHED_OUTPUT.value,
                               "its input requires a gradient but its output does not")
                     )
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: a graddebug bug must not stop training
-            ctx.internal_error(exc, layer.name)
 
-    def _watch_tensor(self, layer: _Layer, tname: str, tensor: Tensor) -> None:
+    def _watch_tensor(self, layer: LayerSpec, tname: str, tensor: Tensor) -> None:
         key = (layer.name, tname)
         state = self._state
         spec = layer.intervention
         if spec is not None and spec.mask is not None and not spec.mask_is_callable:
-            self._check_mask(layer, tensor, spec.mask)
+            layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
         if layer.capture:
             # Forward finiteness check: one reduction, read at the step's single sync.
             state.forward_sums.append(
@@ -434,22 +322,6 @@ class TorchAdapter:
         hook = functools.partial(self._on_grad, layer, tname)
         state.handles.append(tensor.register_hook(hook))
 
-    def _check_mask(self, layer: _Layer, tensor: Tensor, mask: Any) -> None:
-        if layer.mask_checked:
-            return
-        shape = tuple(getattr(mask, "shape", ()))
-        try:
-            fits = torch.broadcast_shapes(shape, tensor.shape) == tensor.shape
-        except RuntimeError:
-            fits = False
-        if not isinstance(mask, Tensor) or not fits:
-            raise MaskShapeError(
-                f"the mask for {layer.name!r} has shape {shape} but the gradient there has "
-                f"shape {tuple(tensor.shape)}; give a tensor that broadcasts to it "
-                "(e.g. shape (1, features)) or a callable grad -> grad."
-            )
-        layer.mask_checked = True
-
     def _intervene_unrecorded(self, tensor: Tensor, spec: Intervention | None,
                               name: str) -> None:
         """Interventions act on every step: on steps ``every=`` skips, alter without recording."""
@@ -458,26 +330,20 @@ class TorchAdapter:
             self._state.handles.append(tensor.register_hook(hook))
 
     def _intervene(self, spec: Intervention, name: str, grad: Tensor) -> Tensor:
-        return intervene_fail_open(
-            spec, name, grad, apply_intervention,
-            lambda out, g: isinstance(out, Tensor) and out.shape == g.shape,
-            self._ctx.internal_error,
-        )
+        return intervene_fail_open(spec, name, grad, apply_intervention, _fits,
+                                   self._ctx.internal_error)
 
-    def _on_grad(self, layer: _Layer, tname: str, grad: Tensor) -> Tensor | None:
+    def _on_grad(self, layer: LayerSpec, tname: str, grad: Tensor) -> Tensor | None:
         spec = layer.intervention
         new = None
         if spec is not None and spec.active:
             new = self._intervene(spec, layer.name, grad)
-        try:
+        with self._fail_open(layer.name):
             self._record_grad(layer, tname, grad, new)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open
-            self._ctx.internal_error(exc, layer.name)
         return new
 
-    def _record_grad(self, layer: _Layer, tname: str, grad: Tensor, new: Tensor | None) -> None:
+    def _record_grad(self, layer: LayerSpec, tname: str, grad: Tensor,
+                     new: Tensor | None) -> None:
         seen = new if new is not None else grad
         if seen.is_sparse:
             seen = seen.coalesce().values()
@@ -494,79 +360,29 @@ class TorchAdapter:
         calls = self._state.captures.setdefault((layer.name, tname), [])
         calls.append(capture)
         if layer.keep:
-            label = layer.name if tname == "output" else f"{layer.name}.{tname}"
-            if len(calls) > 1:
-                label = f"{label}#{len(calls) - 1}"
+            label = keep_label(layer.name, tname, len(calls) - 1)
             self._state.kept[label] = seen.detach().cpu().numpy().copy()
+
+    # -- closing a step ---------------------------------------------------------------------
 
     def _drop_step(self) -> None:
         for handle in self._state.handles:
             handle.remove()
-        self._state = StepState()
+        self._state = StepCaptures()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
-        """Turn the step's captures into records with one host transfer, then reset.
-
-        Raises:
-            WatcherStateError: ``dbg.step()`` found nothing to close because the optimizer
-                given to ``watch(optimizer=...)`` has closed the step already.
-        """
-        if self._optimizer is not None and not self._in_hook and not self.has_pending():
-            raise WatcherStateError(
-                f"dbg.step() found no gradient to record: {type(self._optimizer).__name__}"
-                ".step() has closed this step already, as it does each step under "
-                "watch(optimizer=...). Leave dbg.step() out of the loop, or drop optimizer=."
-            )
+        """Turn the step's captures into records with one host transfer, then reset."""
         try:
             if not record:
                 return StepResult()
+            state = self._state
             depths = {name: layer.depth for name, layer in self._layers.items()}
-            self.last_result = gather(step, self._state, self._param_rows(grads), depths,
-                                      full=self._options.param_stats == "full")
-            return self.last_result
+            rows = param_rows(self._params, state.received, grads, state.changed_in_place,
+                              self._param_depth)
+            return gather(step, state, rows, depths,
+                          full=self._options.param_stats == "full")
         finally:
-            self._closed_any = True
-            self._changed_in_place = False
-            self._dirty = False
-            self._user_closed = not self._in_hook
             self._drop_step()
 
-    def _param_rows(self, grads: Sequence[Any] | None) -> list[ParamRow]:
-        live = [(i, p) for i, p in enumerate(self._params) if p.param.requires_grad]
-        if grads is not None:
-            grads = list(grads)
-            if len(grads) != len(live):
-                raise GradientCountError(
-                    f"step() got {len(grads)} gradients but {len(live)} parameters are "
-                    "watched (those with requires_grad=True, in named_parameters() order)."
-                )
-            return [ParamRow(p.layer, p.tensor, self._depth(p), g, None, p.keep)
-                    for (_, p), g in zip(live, grads, strict=True)]
-        rows = []
-        for i, p in live:
-            seen = self._state.received.get(i)
-            grad = p.param.grad
-            if grad is None and seen is not None:
-                grad = seen.grad
-            fresh = (not self._changed_in_place and seen is not None and seen.grad is grad
-                     and grad._version == seen.version)
-            rows.append(ParamRow(p.layer, p.tensor, self._depth(p), grad,
-                                 seen.sq if fresh and seen is not None else None, p.keep))
-        return rows
-
-    def _depth(self, param: _Param) -> int:
-        for name in param.owner_chain:
-            layer = self._layers.get(self._name(name))
-            if layer is not None and layer.depth >= 0:
-                return layer.depth
-        return -1
-
-
-def _ancestors(qualified: str) -> Iterator[str]:
-    parts = qualified.split(".") if qualified else []
-    for i in range(len(parts), -1, -1):
-        yield ".".join(parts[:i])
-
-
-def _owns_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
+    def _param_depth(self, param: TorchParam) -> int:
+        return self._depth_of(self._name(n) for n in param.owner_chain)

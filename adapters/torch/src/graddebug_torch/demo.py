@@ -1,7 +1,7 @@
 """The built-in demonstration: a deep sigmoid MLP whose first layers get no gradient.
 
-The CLI imports this module only when ``graddebug demo`` runs, so that the core never imports
-torch.
+``graddebug demo`` reaches it through the ``graddebug_demo`` hook of this adapter's plugin, so
+that neither the core nor the command line imports torch.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graddebug.session import Watcher, watch
+import graddebug
 
 __all__ = ["build_sigmoid_mlp", "run_demo"]
 
@@ -24,7 +24,7 @@ def build_sigmoid_mlp(depth: int = 12, width: int = 64, inputs: int = 32,
     return nn.Sequential(*layers)
 
 
-def run_demo(steps: int = 20, seed: int = 0, batch: int = 64) -> Watcher:
+def run_demo(steps: int = 20, seed: int = 0, batch: int = 64) -> graddebug.Watcher:
     """Train the sigmoid MLP on synthetic classification data under ``watch``.
 
     Args:
@@ -41,7 +41,7 @@ def run_demo(steps: int = 20, seed: int = 0, batch: int = 64) -> Watcher:
     inputs = torch.randn(steps, batch, 32, generator=generator)
     targets = (inputs[..., :10].argmax(-1)).long()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with watch(model) as dbg:
+    with graddebug.watch(model) as dbg:
         for x, y in zip(inputs, targets, strict=True):
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import graddebug
 from graddebug.errors import ConfigError, MissingFrameworkError, WatcherStateError
 
 try:
@@ -36,14 +37,17 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 from graddebug.adapter import StepResult, WatchContext
-from graddebug.session import Watcher
-from graddebug.stopping import check_watch_options, nonfinite, parse_stop_on, stop_reason
+from graddebug.integrations.stopping import (
+    check_watch_options,
+    nonfinite,
+    parse_stop_on,
+    stop_reason,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from graddebug.report import Report
-    from graddebug_torch.adapter import TorchAdapter
+    from graddebug.report.report import Report
 
 __all__ = ["GradDebugCallback"]
 
@@ -90,14 +94,14 @@ class GradDebugCallback(pl.Callback):
             )
         self._options = watch_options
         check_watch_options(watch_options, "GradDebugCallback", ("stop_on", "log"))
-        self.watcher: Watcher | None = None
+        self.watcher: WatchContext | None = None
         self.stop_reason: str | None = None
-        self._adapter: TorchAdapter | None = None
         self._owned = True
+        self._own: graddebug.Watcher | None = None  # the Watcher this callback entered
 
     @classmethod
-    def bound(cls, context: WatchContext, adapter: TorchAdapter, *,
-              stop_on: Iterable[str] | str = (), log: bool = True) -> GradDebugCallback:
+    def bound(cls, context: WatchContext, *, stop_on: Iterable[str] | str = (),
+              log: bool = True) -> GradDebugCallback:
         """Return a callback that serves an active Watcher instead of making its own.
 
         This is what ``dbg.callback()`` returns for a torch model: the ``with`` block keeps
@@ -105,17 +109,16 @@ class GradDebugCallback(pl.Callback):
 
         Args:
             context: The Watcher.
-            adapter: The Watcher's torch adapter.
             stop_on: As for the constructor.
             log: As for the constructor.
 
         Raises:
-            WatcherStateError: ``context`` is not an active Watcher.
+            WatcherStateError: ``context`` is not active.
         """
-        if not isinstance(context, Watcher) or not context.active:
+        if not context.active:
             raise WatcherStateError("a bound GradDebugCallback needs an active Watcher.")
         callback = cls(stop_on=stop_on, log=log)
-        callback.watcher, callback._adapter, callback._owned = context, adapter, False
+        callback.watcher, callback._owned = context, False
         return callback
 
     # -- Lightning hooks ----------------------------------------------------------------------
@@ -125,15 +128,9 @@ class GradDebugCallback(pl.Callback):
         self.stop_reason = None
         if not self._owned:
             return
-        watcher = Watcher(pl_module, **self._options)
+        watcher = graddebug.Watcher(pl_module, **self._options)
         watcher.__enter__()
-        try:
-            # The torch adapter binds a callback to the Watcher: borrow its adapter.
-            self._adapter = watcher.callback()._adapter
-        except BaseException:
-            watcher.__exit__(None, None, None)
-            raise
-        self.watcher = watcher
+        self.watcher = self._own = watcher
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
@@ -141,15 +138,13 @@ class GradDebugCallback(pl.Callback):
         watcher = self.watcher
         if watcher is None or not watcher.active:
             return
-        recorded = watcher.recording
         step = watcher.step_index
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if self._adapter is not None and scaler is not None:
-            self._adapter.grads_changed_in_place()  # the scaler has just unscaled them
-        watcher.step()
-        if not recorded or self._adapter is None:
+        if watcher.adapter is not None and scaler is not None:
+            watcher.adapter.grads_changed_in_place()  # the scaler has just unscaled them
+        result = watcher.step()
+        if result is None:
             return
-        result = self._adapter.last_result
         if self._log and trainer.loggers:
             metrics = {f"graddebug/{r.layer}.{r.tensor}/norm": r.norm for r in result.records}
             for logger in trainer.loggers:
@@ -172,7 +167,7 @@ class GradDebugCallback(pl.Callback):
 
     # -- results ----------------------------------------------------------------------------
 
-    def _require(self) -> Watcher:
+    def _require(self) -> WatchContext:
         if self.watcher is None:
             raise WatcherStateError(
                 "GradDebugCallback has no Watcher yet: pass it to Trainer(callbacks=[...]) "
@@ -194,15 +189,15 @@ class GradDebugCallback(pl.Callback):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _stop(self, trainer: pl.Trainer, watcher: Watcher, step: int,
+    def _stop(self, trainer: pl.Trainer, watcher: WatchContext, step: int,
               result: StepResult) -> None:
         self.stop_reason = stop_reason(watcher.findings(), step, result)
         log.warning(self.stop_reason)
         trainer.should_stop = True
 
     def _finish(self, exception: BaseException | None) -> None:
-        watcher = self.watcher
-        if not self._owned or watcher is None or not watcher.active:
+        watcher, self._own = self._own, None
+        if watcher is None or not watcher.active:
             return
         exc_info: tuple[type[BaseException] | None, BaseException | None,
                         TracebackType | None] = (None, None, None)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from graddebug.interventions import Intervention
+from graddebug.capture.layers import Intervention
 
 __all__ = [
     "acc_dtype",

@@ -12,10 +12,11 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from graddebug.adapter import StepResult
-from graddebug.records import Event, EventKind, Record
+from graddebug.capture.layers import keep_label
+from graddebug.records import Event, EventKind, Kind, Record
 from graddebug_torch.stats import acc_dtype, unit_summary
 
-__all__ = ["Capture", "ParamGrad", "ParamRow", "StepState", "gather"]
+__all__ = ["Capture", "ParamGrad", "ParamRow", "StepCaptures", "gather"]
 
 Key = tuple[str, str]
 
@@ -61,8 +62,13 @@ class ParamRow:
 
 
 @dataclass
-class StepState:
-    """Everything captured in the open step; dropped when it closes."""
+class StepCaptures:
+    """Everything captured in the open step; dropped when it closes.
+
+    ``touched`` says that a parameter gradient arrived (recorded or not); ``changed_in_place``
+    that the gradients were changed unseen by their version counters (a loss scaler
+    unscaling them), so the sums of squares taken in the hooks are stale.
+    """
 
     captures: dict[Key, list[Capture]] = field(default_factory=dict)
     expected: dict[Key, int] = field(default_factory=dict)
@@ -72,6 +78,8 @@ class StepState:
     handles: list[RemovableHandle] = field(default_factory=list)
     received: dict[int, ParamGrad] = field(default_factory=dict)
     tap_requires_grad: bool = False
+    touched: bool = False
+    changed_in_place: bool = False
 
 
 class _HostBatch:
@@ -96,7 +104,7 @@ class _HostBatch:
         return self._values[slot]
 
 
-def gather(step: int, state: StepState, params: Sequence[ParamRow], depths: dict[str, int],
+def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: dict[str, int],
            full: bool) -> StepResult:
     """Turn one step's captures and parameter gradients into records and events.
 
@@ -195,7 +203,7 @@ def gather(step: int, state: StepState, params: Sequence[ParamRow], depths: dict
             result.events.append(Event(step, p.layer, p.tensor, p.depth,
                                        EventKind.NO_GRAD.value))
         elif p.keep:
-            result.kept[f"{p.layer}.{p.tensor}"] = p.grad.detach().cpu().numpy().copy()
+            result.kept[keep_label(p.layer, p.tensor)] = p.grad.detach().cpu().numpy().copy()
     return result
 
 
@@ -225,7 +233,7 @@ def _activation_record(step: int, key: Key, depth: int, calls: list[Capture],
     units = first.n_units
     numel = first.numel if len(calls) == 1 else sum(c.numel for c in calls)
     return _record(
-        step, key[0], key[1], "activation", depth, first.shape, numel,
+        step, key[0], key[1], Kind.ACTIVATION.value, depth, first.shape, numel,
         norm=math.sqrt(sq) if sq >= 0 else math.nan,
         total=total,
         absmax=absmax,
@@ -244,7 +252,7 @@ def _param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
         nan = bool(torch.isnan(grad).any())
         inf = bool(torch.isinf(grad).any())
     total, absmax = (extra[0], extra[1]) if extra is not None else (math.nan, math.nan)
-    return _record(step, p.layer, p.tensor, "parameter", p.depth, str(tuple(grad.shape)),
+    return _record(step, p.layer, p.tensor, Kind.PARAMETER.value, p.depth, str(tuple(grad.shape)),
                    grad.numel(), norm, total, absmax, math.nan, nan, inf)
 
 

@@ -8,46 +8,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-import pluggy
 
 from graddebug.config import Thresholds
-from graddebug.detectors import Evidence
-from graddebug.frames import finding_frame, summary_frame
-from graddebug.plugins import get_plugin_manager
-from graddebug.records import Finding
+from graddebug.detectors import diagnose
+from graddebug.frames import summary_frame
+from graddebug.records import Finding, Issue
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["Report", "diagnose"]
-
-
-def diagnose(
-    records: pd.DataFrame,
-    events: pd.DataFrame,
-    thresholds: Thresholds,
-    *,
-    extra: Iterable[Finding] = (),
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> pd.DataFrame:
-    """Run every detector plugin over recorded frames.
-
-    Args:
-        records: A record frame (``Watcher.frame()``).
-        events: An event frame (``Watcher.events()``).
-        thresholds: The thresholds the detectors apply.
-        extra: Findings that come from elsewhere (internal errors) and join the result.
-        plugin_manager: The manager whose detectors run; the process-wide one by default.
-
-    Returns:
-        The findings frame, ordered by step and severity.
-    """
-    pm = plugin_manager or get_plugin_manager()
-    evidence = Evidence(records=records, events=events)
-    found: list[Finding] = list(extra)
-    for batch in pm.hook.graddebug_findings(evidence=evidence, thresholds=thresholds):
-        found.extend(batch)
-    return finding_frame(found)
+__all__ = ["Report"]
 
 
 class Report:
@@ -110,7 +80,7 @@ class Report:
         """
         if not thresholds:
             return self._findings
-        internal = self._findings[self._findings["issue"] == "internal_error"]
+        internal = self._findings[self._findings["issue"] == Issue.INTERNAL_ERROR.value]
         extra = [Finding(*row) for row in internal.itertuples(index=False)]
         return diagnose(
             self._records, self._events, self.thresholds.replace(**thresholds), extra=extra
@@ -123,7 +93,7 @@ class Report:
         Raises:
             MissingFrameworkError: matplotlib is missing (``pip install graddebug[report]``).
         """
-        from graddebug.plots import flow_figure
+        from graddebug.report.plots import flow_figure
 
         return flow_figure(self._records, self._findings)
 
@@ -133,7 +103,7 @@ class Report:
         Raises:
             MissingFrameworkError: matplotlib is missing (``pip install graddebug[report]``).
         """
-        from graddebug.plots import heatmap_figure
+        from graddebug.report.plots import heatmap_figure
 
         return heatmap_figure(self._records, self._findings)
 
@@ -146,7 +116,7 @@ class Report:
         Raises:
             MissingFrameworkError: matplotlib is missing (``pip install graddebug[report]``).
         """
-        from graddebug.html import render_html
+        from graddebug.report.html import render_html
 
         page = render_html(self)
         if path is not None:
@@ -170,7 +140,7 @@ class Report:
             RunFileError: ``path`` is a file or a directory that holds something else.
             MissingFrameworkError: pyarrow is missing (``pip install graddebug[report]``).
         """
-        from graddebug.runlog import write_run
+        from graddebug.runs.writer import write_run
 
         return write_run(path, self._records, self._events, self._findings,
                          thresholds=self.thresholds.as_dict(), metadata=self.metadata)
@@ -189,7 +159,7 @@ class Report:
             ConfigError: An ``ignore=`` entry names an unknown issue, or a threshold is unknown.
         """
         __tracebackhide__ = True  # pytest points at the test's line, not at graddebug
-        from graddebug.health import assert_healthy
+        from graddebug.report.verdict import assert_healthy
 
         assert_healthy(self, ignore, **thresholds)
 

@@ -7,18 +7,19 @@ Every string that comes from the run (layer names, messages, metadata) is HTML-e
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from html import escape
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from graddebug.digest import ISSUE_COLUMNS, WORST_COLUMNS, issue_table, worst_layers
-from graddebug.plots import figure_png, flow_figure, heatmap_figure
+from graddebug.frames import format_cell
+from graddebug.records import FINDING_COLUMNS, Severity
+from graddebug.report.digest import ISSUE_COLUMNS, WORST_COLUMNS, issue_table, worst_layers
+from graddebug.report.plots import figure_png, flow_figure, heatmap_figure
 
 if TYPE_CHECKING:
-    from graddebug.report import Report
+    from graddebug.report.report import Report
 
 __all__ = ["MAX_TABLE_ROWS", "render_html"]
 
@@ -46,17 +47,9 @@ pre { white-space: pre-wrap; margin: 0; }
 
 
 def _cell(value: object) -> tuple[str, bool]:
-    if isinstance(value, bool):
-        return str(value), False
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-", True
-        if value == 0 or 1e-3 <= abs(value) < 1e4:
-            return f"{value:.4g}", True
-        return f"{value:.2e}", True
-    if isinstance(value, int):
-        return str(value), True
-    return escape(str(value)), False
+    """The escaped text of a cell, and whether it is a number (right-aligned)."""
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return escape(format_cell(value)), numeric
 
 
 def _table(frame: pd.DataFrame, columns: Sequence[str], caption: str = "",
@@ -97,8 +90,8 @@ def _banner(report: Report) -> str:
             f"{escape(str(run.get('steps')))} recorded steps, up to step "
             f"{escape(str(run.get('last_step')))} (what was flushed before the process "
             "stopped). Findings were diagnosed again from them.</div>")
-    errors = int((findings["severity"] == "error").sum())
-    warnings = int((findings["severity"] == "warning").sum())
+    errors = int((findings["severity"] == Severity.ERROR.value).sum())
+    warnings = int((findings["severity"] == Severity.WARNING.value).sum())
     if errors:
         css, text = "bad", f"{errors} error finding(s), {warnings} warning(s)"
     elif warnings:
@@ -158,8 +151,7 @@ def render_html(report: Report, *, title: str | None = None,
         "<h2>Worst layers</h2>",
         _table(worst, WORST_COLUMNS, "layers"),
         "<h2>All findings</h2>",
-        _table(findings, ("step", "layer", "tensor", "issue", "severity", "value", "threshold",
-                          "message"), "findings"),
+        _table(findings, FINDING_COLUMNS, "findings"),
         "<h2>Per-layer summary</h2>",
         _table(summary, list(summary.columns), "layers"),
         "<h2>Metadata</h2>",

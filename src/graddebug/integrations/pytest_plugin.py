@@ -30,9 +30,9 @@ import pytest
 from graddebug.errors import ConfigError
 
 if TYPE_CHECKING:
+    from graddebug.capture.watcher import Watcher
     from graddebug.config import Thresholds
-    from graddebug.report import Report
-    from graddebug.session import Watcher
+    from graddebug.report.report import Report
 
 __all__ = ["GradDebugFixture", "graddebug"]
 
@@ -188,7 +188,7 @@ class GradDebugFixture:
         Returns:
             The Watcher, already entered: do not use it in a ``with`` statement.
         """
-        from graddebug.session import Watcher
+        from graddebug.capture.watcher import Watcher
 
         watcher = Watcher(model, **self._options(options))
         watcher.__enter__()
@@ -211,7 +211,7 @@ class GradDebugFixture:
         Returns:
             The Report of the run.
         """
-        from graddebug.check import check
+        from graddebug.integrations.check import check
 
         report = check(model, batch, loss_fn, steps, **self._options(options))
         self._runs.append(_Run(f"check({type(model).__name__})", report=report))
@@ -256,7 +256,7 @@ class GradDebugFixture:
 
     def _judge(self, reports: list[tuple[str, Report]]) -> None:
         __tracebackhide__ = True
-        from graddebug.health import findings_table
+        from graddebug.report.verdict import findings_table
 
         parts = []
         for label, report in reports:

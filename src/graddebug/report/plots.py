@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from graddebug.errors import MissingFrameworkError
+from graddebug.records import Kind, Severity
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -25,9 +26,9 @@ MAX_HEATMAP_STEPS = 800
 """Above this many recorded steps, the heatmap averages log10 norms over bins of steps."""
 
 _SEVERITY_STYLE: dict[str, tuple[str, str]] = {
-    "error": ("X", "#d62728"),
-    "warning": ("v", "#ff7f0e"),
-    "info": ("o", "#1f77b4"),
+    Severity.ERROR.value: ("X", "#d62728"),
+    Severity.WARNING.value: ("v", "#ff7f0e"),
+    Severity.INFO.value: ("o", "#1f77b4"),
 }
 
 
@@ -52,13 +53,13 @@ def _rows(records: pd.DataFrame) -> pd.DataFrame:
     """One row per (layer, tensor, kind) in the summary's order: depth, activations first."""
     keys = records[["layer", "tensor", "kind", "depth"]].drop_duplicates(["layer", "tensor",
                                                                           "kind"])
-    rank = np.where(keys["kind"] == "activation", 0, 1)
+    rank = np.where(keys["kind"] == Kind.ACTIVATION.value, 0, 1)
     keys = keys.assign(_rank=rank).sort_values(["depth", "_rank", "tensor"], kind="stable")
     return keys.drop(columns="_rank").reset_index(drop=True)
 
 
 def _label(layer: str, tensor: str, kind: str) -> str:
-    return layer if kind == "activation" and tensor == "output" else f"{layer}.{tensor}"
+    return layer if kind == Kind.ACTIVATION.value and tensor == "output" else f"{layer}.{tensor}"
 
 
 def flow_figure(records: pd.DataFrame, findings: pd.DataFrame) -> Figure:
@@ -83,7 +84,7 @@ def flow_figure(records: pd.DataFrame, findings: pd.DataFrame) -> Figure:
     fig = Figure(figsize=(width, 4.8), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(len(rows))
-    for kind, color in (("activation", "#1f77b4"), ("parameter", "#2ca02c")):
+    for kind, color in ((Kind.ACTIVATION.value, "#1f77b4"), (Kind.PARAMETER.value, "#2ca02c")):
         sel = (rows["kind"] == kind).to_numpy()
         if not sel.any():
             continue

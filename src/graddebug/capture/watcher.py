@@ -1,4 +1,5 @@
-"""The Watcher: a context manager that owns one capture session and its record buffer."""
+"""The Watcher: a context manager that owns one capture session, its adapter, its step states
+and its buffer (:mod:`graddebug.capture.buffer`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from enum import Enum
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -15,31 +17,40 @@ import pandas as pd
 import pluggy
 
 from graddebug.adapter import Adapter, StepResult, WatchOptions
+from graddebug.capture.buffer import RunBuffer
+from graddebug.capture.layers import Intervention, parse_interventions
+from graddebug.capture.metadata import run_metadata
 from graddebug.config import Thresholds
+from graddebug.detectors import diagnose
 from graddebug.errors import (
     ConfigError,
+    GradDebugError,
     GradDebugInternalError,
     GradDebugWarning,
-    NoAdapterError,
     UnknownNameError,
     WatcherStateError,
     close_matches,
 )
-from graddebug.frames import event_frame, record_frame, summary_frame
-from graddebug.interventions import Intervention, parse_interventions
-from graddebug.plugins import get_plugin_manager
-from graddebug.records import Event, Finding, Issue, Record, Severity
-from graddebug.report import Report, diagnose
-from graddebug.runlog import DEFAULT_FLUSH_EVERY, RunWriter, now, run_metadata
+from graddebug.frames import summary_frame
+from graddebug.plugins import find_adapter, get_plugin_manager
+from graddebug.records import Finding, Issue, Severity
+from graddebug.report.report import Report
+from graddebug.runs.layout import now
+from graddebug.runs.writer import DEFAULT_FLUSH_EVERY
 
-__all__ = ["Watcher", "watch"]
+__all__ = ["StepState", "Watcher", "watch"]
 
-# Frameworks graddebug knows how to serve, by top-level module: adapter name and install hint.
-_KNOWN_FRAMEWORKS: dict[str, tuple[str, str]] = {
-    "torch": ("torch", "pip install graddebug[torch]"),
-    "tensorflow": ("tensorflow", "pip install graddebug[tensorflow]"),
-    "keras": ("tensorflow", "pip install graddebug[tensorflow]"),
-}
+
+class StepState(Enum):
+    """Where the Watcher stands between two steps."""
+
+    OPEN = "open"
+    """Gradients arrived (or nothing was closed yet): the next close records them."""
+    CLOSED_BY_USER = "closed_by_user"
+    """``dbg.step()`` closed the last step and nothing arrived since."""
+    CLOSED_BY_OPTIMIZER = "closed_by_optimizer"
+    """The optimizer given to ``watch(optimizer=...)`` closed the last step and nothing
+    arrived since."""
 
 
 class Watcher:
@@ -98,16 +109,10 @@ class Watcher:
         self._adapter: Adapter | None = None
         self._active = False
         self._step = 0
-        self._records: list[Record] = []
-        self._events: list[Event] = []
-        self._internal: list[Finding] = []
-        self._kept: dict[int, dict[str, np.ndarray]] = {}
+        self._closed = StepState.OPEN  # who closed the last step; OPEN before the first
         self._warned = False
-        self._cache: dict[str, pd.DataFrame] = {}
         self._started = ""
-        # With log_dir, _records and _events hold only what is not flushed yet.
-        self._log = RunWriter(log_dir, flush_every=flush_every) if log_dir is not None else None
-        self._flushed_internal = 0
+        self._buffer = RunBuffer(log_dir, flush_every, self._describe, self.internal_error)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -117,19 +122,20 @@ class Watcher:
         target = self._model
         if target is None and self._params is not None:
             target = next(iter(self._params.values()))
-        if target is not None:
-            self._adapter = self._build_adapter(target)
-            self._adapter.attach()
         self._active = True
         self._started = self._started or now()
-        if self._log is not None:
-            try:
-                self._log.start(self._run_metadata(), self.thresholds.as_dict())
-            except BaseException:
-                self._active = False
-                if self._adapter is not None:
-                    self._adapter.detach()
-                raise
+        try:
+            if target is not None:
+                self._attach(target)
+                if self._options.optimizer is not None:
+                    self._adapter.bind_optimizer(  # type: ignore[union-attr]
+                        self._options.optimizer, self._optimizer_stepped)
+            self._buffer.start()
+        except BaseException:
+            self._active = False
+            if self._adapter is not None:
+                self._adapter.detach()
+            raise
         return self
 
     def __exit__(
@@ -142,49 +148,23 @@ class Watcher:
         try:
             if adapter is not None and adapter.has_pending():
                 # A run that ends (or crashes) mid-step keeps what it captured.
-                self._close(None)
+                self._close(None, StepState.CLOSED_BY_USER)
         finally:
             self._active = False
             if adapter is not None:
                 adapter.detach()
-            if self._log is not None:
-                self._finish_log()
+            self._buffer.finish(self.findings)
         if exc_type is None:
             self._check_unmatched()
 
-    def _build_adapter(self, target: object) -> Adapter:
-        factory = self._pm.hook.graddebug_adapter(target=target)
-        if factory is None:
-            raise NoAdapterError(self._no_adapter_message(target))
-        adapter: Adapter = factory(self, self._model, self._params, self._options)
-        return adapter
-
-    def _no_adapter_message(self, target: object) -> str:
-        cls = type(target)
-        installed = sorted(
-            {impl.plugin_name for impl in self._pm.hook.graddebug_adapter.get_hookimpls()}
-        )
-        missing = sorted(
-            {hint for name, hint in _KNOWN_FRAMEWORKS.values() if name not in installed}
-        )
-        root = cls.__module__.split(".", 1)[0]
-        lines = [
-            f"graddebug cannot watch an object of type {cls.__module__}.{cls.__qualname__}: "
-            "no installed adapter claims it.",
-            f"Installed adapters: {', '.join(installed) or 'none'}.",
-        ]
-        if root in _KNOWN_FRAMEWORKS and _KNOWN_FRAMEWORKS[root][0] not in installed:
-            lines.append(f"To watch {root} models: {_KNOWN_FRAMEWORKS[root][1]}")
-        elif missing:
-            lines.append("Adapters that are not installed: " + "; ".join(missing) + ".")
-        lines.append(
-            "Pass a model (torch.nn.Module, keras.Model), params={name: tensor}, "
-            "or use watch() with tap(tensor, name)."
-        )
-        return "\n".join(lines)
+    def _attach(self, target: object) -> Adapter:
+        factory = find_adapter(self._pm, target)
+        self._adapter = factory(self, self._model, self._params, self._options)
+        self._adapter.attach()
+        return self._adapter
 
     def _check_unmatched(self) -> None:
-        wanted = set(self._options.keep) | set(self._options.intervene)
+        wanted = self._options.named
         if not wanted:
             return
         adapter = self._adapter
@@ -198,7 +178,7 @@ class Watcher:
                 f"Known names: {', '.join(known[:20]) or 'none'}."
             )
 
-    # -- what adapters see ----------------------------------------------------------------
+    # -- what adapters and callbacks see -------------------------------------------------
 
     @property
     def active(self) -> bool:
@@ -215,6 +195,24 @@ class Watcher:
         """Index of the open step, counted from 0."""
         return self._step
 
+    @property
+    def adapter(self) -> Adapter | None:
+        """The adapter serving this Watcher (None before a model, a param or a tap chose one).
+
+        Training callbacks call its protocol methods (``bind_optimizer``,
+        ``grads_changed_in_place``); its hooks and buffers are private.
+        """
+        return self._adapter
+
+    @property
+    def step_state(self) -> StepState:
+        """Whether the current step is open, or was closed by ``dbg.step()`` or by the
+        optimizer with nothing captured since."""
+        if self._closed is StepState.OPEN or (
+                self._adapter is not None and self._adapter.has_pending()):
+            return StepState.OPEN
+        return self._closed
+
     def internal_error(self, exc: BaseException, where: str) -> None:
         """Record a bug caught inside a graddebug hook, or raise it when ``strict=True``.
 
@@ -227,23 +225,20 @@ class Watcher:
         """
         if self.strict:
             raise GradDebugInternalError(f"graddebug hook failed in {where}: {exc!r}") from exc
-        self._internal.append(
-            Finding(
-                step=self._step,
-                layer=where,
-                tensor="",
-                issue=Issue.INTERNAL_ERROR.value,
-                severity=Severity.WARNING.value,
-                value=math.nan,
-                threshold=math.nan,
-                message=(
-                    f"graddebug failed inside its hook for {where!r} ({type(exc).__name__}: "
-                    f"{exc}); training went on untouched but this step's records may be "
-                    "incomplete. Please report it; strict=True raises instead."
-                ),
-            )
-        )
-        self._cache.clear()
+        self._buffer.add_internal(Finding(
+            step=self._step,
+            layer=where,
+            tensor="",
+            issue=Issue.INTERNAL_ERROR.value,
+            severity=Severity.WARNING.value,
+            value=math.nan,
+            threshold=math.nan,
+            message=(
+                f"graddebug failed inside its hook for {where!r} ({type(exc).__name__}: "
+                f"{exc}); training went on untouched but this step's records may be "
+                "incomplete. Please report it; strict=True raises instead."
+            ),
+        ))
         if not self._warned:
             self._warned = True
             warnings.warn(
@@ -253,9 +248,9 @@ class Watcher:
                 stacklevel=2,
             )
 
-    # -- the user's calls -------------------------------------------------------------------
+    # -- steps --------------------------------------------------------------------------------
 
-    def step(self, grads: Sequence[Any] | None = None) -> None:
+    def step(self, grads: Sequence[Any] | None = None) -> StepResult | None:
         """Close the current step: record parameter gradients and move to the next step.
 
         Call it once per optimizer step, after ``backward()`` (before or after
@@ -265,71 +260,72 @@ class Watcher:
             grads: Parameter gradients in the order of the watched parameters, for frameworks
                 that do not store them on the parameters (TensorFlow). Torch reads ``p.grad``.
 
+        Returns:
+            The step's records, events and kept gradients; None when ``every=`` skipped it.
+
         Raises:
-            WatcherStateError: Called outside the ``with`` block.
+            WatcherStateError: Called outside the ``with`` block, or after the optimizer given
+                to ``watch(optimizer=...)`` has closed the step already.
         """
         if not self._active:
             raise WatcherStateError(
                 "step() was called outside the `with graddebug.watch(...)` block; "
                 "call it inside the block, once per optimizer step."
             )
-        self._close(grads)
+        if self.step_state is StepState.CLOSED_BY_OPTIMIZER:
+            optimizer = type(self._options.optimizer).__name__
+            raise WatcherStateError(
+                f"dbg.step() found no gradient to record: {optimizer}.step() has closed this "
+                "step already, as it does each step under watch(optimizer=...). Leave "
+                "dbg.step() out of the loop, or drop optimizer=."
+            )
+        return self._close(grads, StepState.CLOSED_BY_USER)
 
-    def _close(self, grads: Sequence[Any] | None) -> None:
+    def _optimizer_stepped(self) -> None:
+        """Called by the adapter after each step of the optimizer given to ``watch``: close
+        the step, unless ``dbg.step()`` closed it already and nothing arrived since."""
+        if self.step_state is StepState.CLOSED_BY_USER:
+            self._closed = StepState.CLOSED_BY_OPTIMIZER
+            return
+        try:
+            self._close(None, StepState.CLOSED_BY_OPTIMIZER)
+        except GradDebugError:
+            raise
+        except Exception as exc:  # fail-open: the user's optimizer step has already happened
+            self.internal_error(exc, f"{type(self._options.optimizer).__name__}.step")
+
+    def _close(self, grads: Sequence[Any] | None, by: StepState) -> StepResult | None:
         adapter = self._adapter
-        if adapter is not None:
-            result = adapter.close_step(self._step, grads, record=self.recording)
-            if self.recording:
-                self._absorb(result)
+        recording = self.recording
+        result = None
+        try:
+            if adapter is not None:
+                result = adapter.close_step(self._step, grads, record=recording)
+                if recording:
+                    self._buffer.add(self._step, result)
+        finally:
+            self._closed = by
         self._step += 1
+        return result if recording else None
 
-    def _absorb(self, result: StepResult) -> None:
-        self._records.extend(sorted(result.records, key=_row_order))
-        self._events.extend(result.events)
-        if result.kept:
-            self._kept[self._step] = result.kept
-        self._cache.clear()
-        if self._log is not None and self._log.step_recorded():
-            self._flush_log()
+    # -- log_dir --------------------------------------------------------------------------
 
-    # -- log_dir ------------------------------------------------------------------------------
+    def _describe(self) -> tuple[dict[str, Any], dict[str, float]]:
+        """The run's metadata and thresholds, for its JSON file."""
+        return self._run_metadata(), self.thresholds.as_dict()
 
     def _run_metadata(self) -> dict[str, Any]:
         settings: dict[str, Any] = {
             "every": self.every, "strict": self.strict,
             "params": list(self._params) if self._params is not None else None}
-        if self._log is not None:
-            settings.update(log_dir=str(self._log.path), flush_every=self._log.flush_every)
+        log = self._buffer.log
+        if log is not None:
+            settings.update(log_dir=str(log.path), flush_every=log.flush_every)
         return run_metadata(adapter=self._adapter.name if self._adapter is not None else None,
                             model=self._model, options=self._options, settings=settings,
                             started=self._started)
 
-    def _flush_log(self) -> None:
-        assert self._log is not None
-        if self._log.parts == 0:  # an adapter chosen by tap() is known by now
-            self._log.start(self._run_metadata(), self.thresholds.as_dict())
-        internal = self._internal[self._flushed_internal:]
-        try:
-            self._log.flush(self._records, self._events, internal)
-        except Exception as exc:  # a full disk must not stop training: keep the rows, retry
-            self.internal_error(exc, f"log_dir {str(self._log.path)!r}")
-            return
-        self._records, self._events = [], []
-        self._flushed_internal += len(internal)
-        self._cache.clear()
-
-    def _finish_log(self) -> None:
-        assert self._log is not None
-        self._flush_log()
-        try:
-            self._log.finish(self.frame(), self.events(), self.findings(),
-                             self._run_metadata(), self.thresholds.as_dict())
-        except Exception as exc:
-            self.internal_error(exc, f"log_dir {str(self._log.path)!r}")
-        # The whole run is on disk; frame() reads it back when asked.
-        self._cache.pop("frame", None)
-        self._cache.pop("events", None)
-        self._log.release()
+    # -- the user's other calls -----------------------------------------------------------
 
     def tap(
         self,
@@ -369,14 +365,13 @@ class Watcher:
             raise ConfigError(f"tap name {name!r} must be a non-empty string.")
         given = Intervention(clip_value=clip_value, clip_norm=clip_norm, mask=mask, scale=scale)
         intervention = given if given.active else self._options.intervene.get(name)
-        if self._adapter is None:
-            self._adapter = self._build_adapter(tensor)
-            self._adapter.attach()
-        return self._adapter.tap(tensor, name, intervention)
+        adapter = self._adapter if self._adapter is not None else self._attach(tensor)
+        return adapter.tap(tensor, name, intervention)
 
     def callback(self, **options: Any) -> Any:
         """Return a training callback bound to this Watcher (a Keras callback for
-        ``model.fit``), which closes a step after each batch.
+        ``model.fit``, a Lightning callback for a torch model), which closes a step after each
+        batch.
 
         Args:
             **options: Options of the framework's callback, e.g. ``stop_on=("nonfinite",)``.
@@ -408,7 +403,7 @@ class Watcher:
         before = self._step
         grads = self._adapter.train_step(inputs, loss_args, loss_fn, optimizer)
         if self._step == before:
-            self._close(grads)
+            self._close(grads, StepState.CLOSED_BY_USER)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -418,43 +413,24 @@ class Watcher:
         Columns, in order: ``step, layer, tensor, kind, depth, shape, numel, norm, mean, std,
         absmax, zero_frac, nan, inf``, plus ``pre_norm`` where an intervention acted.
         """
-        if "frame" not in self._cache:
-            self._read_frames()
-        return self._cache["frame"]
+        return self._buffer.frame()
 
     def events(self) -> pd.DataFrame:
         """Return the structural events: parameters with no gradient, detached outputs, layers
         no gradient reached, outputs that were non-finite in forward."""
-        if "events" not in self._cache:
-            self._read_frames()
-        return self._cache["events"]
-
-    def _read_frames(self) -> None:
-        if self._log is not None:
-            self._cache["frame"], self._cache["events"] = self._log.read(
-                self._records, self._events)
-        else:
-            self._cache["frame"] = record_frame(self._records)
-            self._cache["events"] = event_frame(self._events)
+        return self._buffer.events_frame()
 
     def findings(self) -> pd.DataFrame:
         """Return one row per diagnosis: ``step, layer, tensor, issue, severity, value,
         threshold, message``. Empty for a healthy model."""
-        if "findings" not in self._cache:
-            self._cache["findings"] = diagnose(
-                self.frame(),
-                self.events(),
-                self.thresholds,
-                extra=self._internal,
-                plugin_manager=self._pm,
-            )
-        return self._cache["findings"]
+        return self._buffer.cached("findings", lambda: diagnose(
+            self.frame(), self.events(), self.thresholds, extra=self._buffer.internal,
+            plugin_manager=self._pm))
 
     def summary(self) -> pd.DataFrame:
         """Return the per-layer aggregate over recorded steps, in depth order."""
-        if "summary" not in self._cache:
-            self._cache["summary"] = summary_frame(self.frame(), self.findings())
-        return self._cache["summary"]
+        return self._buffer.cached("summary",
+                                   lambda: summary_frame(self.frame(), self.findings()))
 
     def report(self, metadata: Mapping[str, Any] | None = None) -> Report:
         """Return the run so far as a :class:`Report`, which outlives the model.
@@ -486,8 +462,7 @@ class Watcher:
             MissingFrameworkError: pyarrow is missing (``pip install graddebug[report]``).
             WatcherStateError: ``path`` is this Watcher's ``log_dir`` and the block is running.
         """
-        if (self._active and self._log is not None
-                and Path(path).resolve() == self._log.path.resolve()):
+        if self._active and self._buffer.is_log_dir(path):
             raise WatcherStateError(
                 f"save({str(path)!r}) would replace the log_dir this Watcher is streaming to; "
                 "save elsewhere, or load the log_dir once the `with` block has ended."
@@ -508,28 +483,22 @@ class Watcher:
             WatcherStateError: Nothing was kept (``keep=`` was not given or matched nothing).
             KeyError: ``step`` kept nothing.
         """
-        if not self._kept:
+        kept = self._buffer.kept
+        if not kept:
             raise WatcherStateError(
                 "no gradients were kept; pass keep=['layer', ...] to watch() to keep them."
             )
         if step is None:
-            step = max(self._kept)
-        if step not in self._kept:
-            raise KeyError(f"step {step!r} kept no gradients; steps that did: {sorted(self._kept)}")
-        return dict(self._kept[step])
+            step = max(kept)
+        if step not in kept:
+            raise KeyError(f"step {step!r} kept no gradients; steps that did: {sorted(kept)}")
+        return dict(kept[step])
 
     def __repr__(self) -> str:
         state = "active" if self._active else "inactive"
         adapter = self._adapter.name if self._adapter is not None else "none"
-        return (
-            f"<Watcher {state} adapter={adapter} step={self._step} records={len(self._records)}>"
-        )
-
-
-def _row_order(record: Record) -> tuple[bool, float, str, str]:
-    """Within a step: activations, then parameters; each in forward order."""
-    depth = record.depth if record.depth >= 0 else math.inf
-    return (record.kind != "activation", depth, record.layer, record.tensor)
+        return (f"<Watcher {state} adapter={adapter} step={self._step} "
+                f"records={self._buffer.rows}>")
 
 
 def _as_list(value: Any) -> list[Any] | None:

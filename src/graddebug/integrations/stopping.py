@@ -79,7 +79,7 @@ def check_watch_options(options: Mapping[str, Any], where: str, own: Sequence[st
     """
     import inspect
 
-    from graddebug.session import Watcher
+    from graddebug.capture.watcher import Watcher
 
     known = [n for n in inspect.signature(Watcher).parameters if n not in ("model", "optimizer")]
     for name in options:

@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pandas as pd
 
+from graddebug.records import Kind, Severity
+
 __all__ = [
     "COMPARE_COLUMNS",
     "ISSUE_COLUMNS",
@@ -16,8 +18,6 @@ __all__ = [
     "issue_table",
     "worst_layers",
 ]
-
-SEVERITY_RANK: dict[str, int] = {"error": 3, "warning": 2, "info": 1}
 
 ISSUE_COLUMNS: tuple[str, ...] = (
     "issue", "severity", "count", "layers", "first_step", "first_layer", "message",
@@ -44,7 +44,7 @@ def issue_table(findings: pd.DataFrame) -> pd.DataFrame:
     """
     rows = []
     for issue, group in findings.groupby("issue", sort=False):
-        ranks = group["severity"].map(SEVERITY_RANK).fillna(0)
+        ranks = group["severity"].map(Severity.rank)
         ordered = group.assign(_rank=-ranks).sort_values(["step", "_rank"], kind="stable")
         first = ordered.iloc[0]
         rows.append((
@@ -59,7 +59,7 @@ def issue_table(findings: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=list(ISSUE_COLUMNS)).astype(
         {"issue": object, "severity": object, "count": "int64", "layers": "int64",
          "first_step": "int64", "first_layer": object, "message": object})
-    rank = table["severity"].map(SEVERITY_RANK).fillna(0)
+    rank = table["severity"].map(Severity.rank)
     order = table.assign(_rank=-rank).sort_values(["_rank", "first_step"], kind="stable")
     return order.drop(columns="_rank").reset_index(drop=True)
 
@@ -67,7 +67,7 @@ def issue_table(findings: pd.DataFrame) -> pd.DataFrame:
 def _layer_severity(findings: pd.DataFrame) -> dict[str, int]:
     worst: dict[str, int] = {}
     for layer, severity in zip(findings["layer"], findings["severity"], strict=True):
-        worst[layer] = max(worst.get(layer, 0), SEVERITY_RANK.get(severity, 0))
+        worst[layer] = max(worst.get(layer, 0), Severity.rank(severity))
     return worst
 
 
@@ -133,6 +133,6 @@ def compare_runs(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     both["norm_a"], both["norm_b"] = norm_a, norm_b
     for col in ("issues_a", "issues_b"):
         both[col] = both[col].astype(object).where(both[col].notna(), "")
-    kind_rank = np.where(both["kind"] == "activation", 0, 1)
+    kind_rank = np.where(both["kind"] == Kind.ACTIVATION.value, 0, 1)
     both = both.assign(_rank=kind_rank).sort_values(["depth", "_rank", "tensor"], kind="stable")
     return both[list(COMPARE_COLUMNS)].reset_index(drop=True)

@@ -1,4 +1,6 @@
-"""Reading a run back: :func:`load` and the part reader the live Watcher shares with it."""
+"""Reading a run back into frames: :func:`read_run` for a finished or crashed run, and
+:func:`read_streams` for the run a live Watcher is writing. Nothing here diagnoses; the report
+layer (:func:`graddebug.load`) turns what is read into a Report."""
 
 from __future__ import annotations
 
@@ -10,14 +12,18 @@ from typing import Any
 
 import pandas as pd
 
-from graddebug.arrowio import ColumnSpec, require_pyarrow, rows_to_table, table_spec, table_to_frame
 from graddebug.config import Thresholds
 from graddebug.errors import ConfigError, CorruptRunError, NotARunError
-from graddebug.records import Finding
-from graddebug.report import Report, diagnose
-from graddebug.runlog import FINDINGS_FILE, META_FILE, PART_RE, STREAMS, read_meta
+from graddebug.runs.arrowio import (
+    ColumnSpec,
+    require_pyarrow,
+    rows_to_table,
+    table_spec,
+    table_to_frame,
+)
+from graddebug.runs.layout import FINDINGS_FILE, META_FILE, STREAMS, part_files, read_meta
 
-__all__ = ["load", "read_streams"]
+__all__ = ["Progress", "StoredRun", "read_run", "read_streams"]
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)``: called as the files of a run are read."""
@@ -28,16 +34,6 @@ class _Streams:
     tables: dict[str, Any] = field(default_factory=dict)
     damaged: list[tuple[Path, str]] = field(default_factory=list)
     readable: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # step ranges
-
-
-def _part_files(path: Path) -> dict[str, list[Path]]:
-    files: dict[str, list[Path]] = {}
-    for stream in STREAMS:
-        folder = path / stream
-        found = [(m, n) for n in (os.listdir(folder) if folder.is_dir() else [])
-                 if (m := PART_RE.match(n))]
-        files[stream] = [folder / n for m, n in sorted(found, key=lambda p: int(p[0][1]))]
-    return files
 
 
 def _read_table(file: Path) -> Any:
@@ -54,7 +50,7 @@ class _Damaged(Exception):
 
 def _read_all(path: Path, extra: Sequence[Path], progress: Progress | None) -> tuple[
         _Streams, dict[Path, Any]]:
-    files = _part_files(path)
+    files = part_files(path)
     total = sum(len(v) for v in files.values()) + len(extra)
     done = 0
     out = _Streams()
@@ -113,7 +109,7 @@ def read_streams(path: Path, *, pending: Mapping[str, Sequence[tuple[Any, ...]]]
     Raises:
         CorruptRunError: A part cannot be read.
     """
-    files = _part_files(path)
+    files = part_files(path)
     frames = {}
     for stream in ("records", "events"):
         known = cache.setdefault(stream, {})
@@ -165,24 +161,39 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
     return run
 
 
-def load(path: str | os.PathLike[str], *, skip_damaged: bool = False,
-         progress: Progress | None = None) -> Report:
-    """Read a run written by ``watch(log_dir=...)``, ``Watcher.save`` or ``Report.save``.
+@dataclass
+class StoredRun:
+    """What a run directory holds, read back.
 
-    A run whose process was killed before the ``with`` block ended holds every step flushed
-    before the kill; its findings are diagnosed again, with the run's thresholds, and
-    ``report.metadata["run"]["status"]`` is ``"incomplete"`` (``"rediagnosed"`` is True
-    whenever the findings were not read from the run). Loading never executes code stored in
-    the run (no pickle).
+    Attributes:
+        path: The run directory.
+        records: The record frame.
+        events: The event frame.
+        internal: The internal_error findings recorded while the run trained.
+        findings: The findings stored when the run completed; None when the run did not
+            complete (or its findings file is damaged), so they must be diagnosed again.
+        thresholds: The thresholds the run used.
+        metadata: The stored metadata, with a ``"run"`` entry that describes the run on disk
+            (path, status, whether findings must be rediagnosed, steps, damaged files).
+    """
+
+    path: Path
+    records: pd.DataFrame
+    events: pd.DataFrame
+    internal: pd.DataFrame
+    findings: pd.DataFrame | None
+    thresholds: Thresholds
+    metadata: dict[str, Any]
+
+
+def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
+             progress: Progress | None = None) -> StoredRun:
+    """Read a run written by ``watch(log_dir=...)`` or ``save``.
 
     Args:
         path: The run directory (or its ``graddebug.json``).
-        skip_damaged: Return what is readable instead of raising when files are damaged; the
-            damaged files are listed in ``report.metadata["run"]["damaged"]``.
+        skip_damaged: Return what is readable instead of raising when files are damaged.
         progress: Called as ``progress(done, total)`` while files are read.
-
-    Returns:
-        The :class:`graddebug.Report` of the run.
 
     Raises:
         NotARunError: ``path`` does not exist or holds no run.
@@ -216,12 +227,7 @@ def load(path: str | os.PathLike[str], *, skip_damaged: bool = False,
             spec = specs.get(stream)
             frames[stream] = (table_to_frame(table, spec) if spec
                               else _stream_frame(stream, table))
-        if complete:
-            findings = table_to_frame(others[findings_file], specs["findings"])
-        else:
-            internal = frames["internal"]
-            extra = [Finding(*row) for row in internal.itertuples(index=False)]
-            findings = diagnose(frames["records"], frames["events"], thresholds, extra=extra)
+        findings = table_to_frame(others[findings_file], specs["findings"]) if complete else None
     except (KeyError, TypeError, ValueError) as exc:  # Arrow's errors derive from these too
         raise CorruptRunError(
             f"run {str(run)!r}: its files do not fit together or do not match {META_FILE} "
@@ -238,8 +244,8 @@ def load(path: str | os.PathLike[str], *, skip_damaged: bool = False,
         "last_step": int(steps.max()) if len(steps) else -1,
         "damaged": [str(f) for f, _ in damaged],
     }
-    return Report(frames["records"], frames["events"], findings, thresholds=thresholds,
-                  metadata=metadata)
+    return StoredRun(run, frames["records"], frames["events"], frames["internal"], findings,
+                     thresholds, metadata)
 
 
 def _specs(stored: Any) -> dict[str, ColumnSpec]:

@@ -19,18 +19,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from graddebug.errors import ConfigError, close_matches
-from graddebug.records import Issue
+from graddebug.frames import format_cell
+from graddebug.records import FINDING_COLUMNS, Issue
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from graddebug.report import Report
+    from graddebug.report.report import Report
 
 __all__ = ["IgnoreRule", "assert_healthy", "findings_table", "parse_ignore", "unignored"]
 
-TABLE_COLUMNS: tuple[str, ...] = (
-    "step", "layer", "tensor", "issue", "severity", "value", "threshold", "message",
-)
+TABLE_COLUMNS: tuple[str, ...] = FINDING_COLUMNS
 """Columns of the findings table, in order; ``message`` comes last and is never cut."""
 
 MAX_ROWS = 40
@@ -125,8 +124,6 @@ def unignored(findings: pd.DataFrame, rules: Sequence[IgnoreRule]) -> pd.DataFra
 
 
 def _cell(value: object) -> str:
-    from graddebug.frames import format_cell
-
     text = " ".join(format_cell(value).split())  # one line per finding, whatever it holds
     return text or "-"
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from graddebug.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graddebug.report import Report
+    from graddebug.report.report import Report
 
 __all__ = ["check", "split_batch"]
 
@@ -98,8 +98,8 @@ def check(
         )
     if model is None:
         raise ConfigError("check() needs a model; for tensors without a model use watch().")
-    from graddebug.session import Watcher
-    from graddebug.stopping import check_watch_options
+    from graddebug.capture.watcher import Watcher
+    from graddebug.integrations.stopping import check_watch_options
 
     check_watch_options(options, "check()", ("steps", "targets", "optimizer"))
     inputs, loss_args = split_batch(batch, targets)

@@ -1,0 +1,146 @@
+"""Watched parameters: which tensors, under which names, and their gradients at a step's close."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from graddebug.errors import ConfigError, GradientCountError
+from graddebug_torch.step import ParamGrad, ParamRow
+
+__all__ = ["TorchParam", "ancestors", "check_optimizer", "given_params", "model_params",
+           "param_rows"]
+
+
+@dataclass
+class TorchParam:
+    """A watched parameter (or ``params=`` tensor).
+
+    Attributes:
+        layer: The owning module's name (or the ``params=`` key).
+        tensor: The short name (``"weight"``; the key for ``params=``).
+        param: The tensor.
+        owner_chain: The owner module's qualified name, then those of its ancestors.
+        keep: Its full gradient is kept (``keep=`` names its layer).
+    """
+
+    layer: str
+    tensor: str
+    param: Tensor
+    owner_chain: tuple[str, ...]
+    keep: bool = False
+
+
+def ancestors(qualified: str) -> Iterator[str]:
+    """``"a.b.c"``, ``"a.b"``, ``"a"``, then ``""`` (the root module)."""
+    parts = qualified.split(".") if qualified else []
+    for i in range(len(parts), -1, -1):
+        yield ".".join(parts[:i])
+
+
+def model_params(model: nn.Module, name_of: Callable[[str], str],
+                 chosen: Collection[str] | None, keep: Collection[str]) -> list[TorchParam]:
+    """The parameters of ``model``, or of the modules ``layers=`` chose (and their children).
+
+    Args:
+        model: The model.
+        name_of: The layer name of a qualified module name (the root has the class name).
+        chosen: Names of the selected modules; None for every parameter.
+        keep: Layer names whose gradients are kept.
+    """
+    out = []
+    for pname, param in model.named_parameters():
+        owner, _, short = pname.rpartition(".")
+        chain = tuple(ancestors(owner))
+        if chosen is not None and not any(name in chosen for name in chain):
+            continue
+        layer = name_of(owner)
+        out.append(TorchParam(layer, short, param, chain, keep=layer in keep))
+    return out
+
+
+def given_params(params: Mapping[str, Any], keep: Collection[str]) -> list[TorchParam]:
+    """The ``params=`` tensors, checked.
+
+    Raises:
+        ConfigError: A value is not a leaf tensor that requires a gradient.
+    """
+    out = []
+    for key, value in params.items():
+        if not isinstance(value, Tensor):
+            raise ConfigError(
+                f"params[{key!r}] is a {type(value).__name__}, not a torch.Tensor."
+            )
+        if not value.is_leaf or not value.requires_grad:
+            raise ConfigError(
+                f"params[{key!r}] must be a leaf tensor with requires_grad=True, so that "
+                f"its .grad is filled; for an intermediate tensor use tap(t, {key!r})."
+            )
+        out.append(TorchParam(key, key, value, (key,), keep=key in keep))
+    return out
+
+
+def check_optimizer(optimizer: Any, params: Sequence[TorchParam]) -> torch.optim.Optimizer:
+    """Check that ``optimizer`` is a torch optimizer holding at least one watched parameter.
+
+    Raises:
+        ConfigError: It is not, or it holds none of them.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer={optimizer!r} is a {type(optimizer).__name__}, not a "
+            "torch.optim.Optimizer; pass the optimizer whose step() ends each training step."
+        )
+    if params:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not any(id(p.param) in held for p in params):
+            watched = ", ".join(f"{p.layer}.{p.tensor}" for p in params[:5])
+            raise ConfigError(
+                f"optimizer={type(optimizer).__name__} holds none of the watched parameters "
+                f"({watched}{', ...' if len(params) > 5 else ''}); pass the optimizer built "
+                "from this model's parameters, e.g. torch.optim.SGD(model.parameters())."
+            )
+    return optimizer
+
+
+def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad],
+               grads: Sequence[Any] | None, stale: bool,
+               depth_of: Callable[[TorchParam], int]) -> list[ParamRow]:
+    """Every watched parameter that requires a gradient, with its gradient at the step's close.
+
+    Args:
+        params: The watched parameters.
+        received: What the post-accumulate hooks saw, by index in ``params``.
+        grads: Gradients handed to ``step(grads)``, or None to read ``p.grad``.
+        stale: The sums of squares taken in the hooks no longer hold (gradients changed in
+            place unseen by their version counters).
+        depth_of: The depth of a parameter's layer.
+
+    Raises:
+        GradientCountError: ``grads`` does not line up with the parameters.
+    """
+    live = [(i, p) for i, p in enumerate(params) if p.param.requires_grad]
+    if grads is not None:
+        grads = list(grads)
+        if len(grads) != len(live):
+            raise GradientCountError(
+                f"step() got {len(grads)} gradients but {len(live)} parameters are "
+                "watched (those with requires_grad=True, in named_parameters() order)."
+            )
+        return [ParamRow(p.layer, p.tensor, depth_of(p), g, None, p.keep)
+                for (_, p), g in zip(live, grads, strict=True)]
+    rows = []
+    for i, p in live:
+        seen = received.get(i)
+        grad = p.param.grad
+        if grad is None and seen is not None:
+            grad = seen.grad
+        fresh = (not stale and seen is not None and seen.grad is grad
+                 and grad._version == seen.version)
+        rows.append(ParamRow(p.layer, p.tensor, depth_of(p), grad,
+                             seen.sq if fresh and seen is not None else None, p.keep))
+    return rows

@@ -1,0 +1,162 @@
+"""The rows of a live run: records, events, internal errors and kept gradients, flushed to a run
+directory when ``log_dir`` is set, and the frames built from them (each built once, cached
+until new rows arrive)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from graddebug.adapter import StepResult
+from graddebug.frames import event_frame, record_frame
+from graddebug.records import Event, Finding, Kind, Record
+from graddebug.runs.writer import RunWriter
+
+__all__ = ["RunBuffer"]
+
+OnBug = Callable[[BaseException, str], None]
+Describe = Callable[[], tuple[Mapping[str, Any], Mapping[str, Any]]]
+
+
+def _row_order(record: Record) -> tuple[bool, float, str, str]:
+    """Within a step: activations, then parameters; each in forward order."""
+    depth = record.depth if record.depth >= 0 else math.inf
+    return (record.kind != Kind.ACTIVATION.value, depth, record.layer, record.tensor)
+
+
+class RunBuffer:
+    """What a Watcher has recorded, in memory or streamed to ``log_dir``.
+
+    With ``log_dir``, :attr:`records` and :attr:`events` hold only the rows not flushed yet;
+    :meth:`frame` and :meth:`events_frame` read the whole run back.
+
+    Args:
+        log_dir: The run directory to stream to, or None to keep every row in memory.
+        flush_every: With ``log_dir``, write a part every this many recorded steps.
+        describe: Returns the run's metadata and thresholds, for its JSON file.
+        on_bug: Where a failed write goes (``Watcher.internal_error``): a full disk must not
+            stop training.
+
+    Raises:
+        ConfigError: ``log_dir`` is a file or a non-empty directory.
+        MissingFrameworkError: ``log_dir`` was given and pyarrow is missing.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str] | None, flush_every: int,
+                 describe: Describe, on_bug: OnBug) -> None:
+        self._describe = describe
+        self._on_bug = on_bug
+        self.records: list[Record] = []
+        self.events: list[Event] = []
+        self.internal: list[Finding] = []
+        self.kept: dict[int, dict[str, np.ndarray]] = {}
+        self.log = RunWriter(log_dir, flush_every=flush_every) if log_dir is not None else None
+        self._flushed_internal = 0
+        self._cache: dict[str, pd.DataFrame] = {}
+
+    @property
+    def rows(self) -> int:
+        """Record rows held in memory."""
+        return len(self.records)
+
+    # -- adding rows --------------------------------------------------------------------------
+
+    def add(self, step: int, result: StepResult) -> None:
+        """Add a recorded step's rows; flush when a flush is due."""
+        self.records.extend(sorted(result.records, key=_row_order))
+        self.events.extend(result.events)
+        if result.kept:
+            self.kept[step] = result.kept
+        self._cache.clear()
+        if self.log is not None and self.log.step_recorded():
+            self.flush()
+
+    def add_internal(self, finding: Finding) -> None:
+        """Add an internal error (a bug caught in a hook)."""
+        self.internal.append(finding)
+        self._cache.clear()
+
+    # -- log_dir ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the run directory and mark it running (nothing without ``log_dir``)."""
+        if self.log is not None:
+            self.log.start(*self._describe())
+
+    def flush(self) -> None:
+        """Write the rows not flushed yet as one part per stream, then drop them.
+
+        A failure (a full disk) must not stop training: it goes to ``on_bug``, the rows stay
+        in memory, and the next flush writes them.
+        """
+        log = self.log
+        if log is None:
+            return
+        internal = self.internal[self._flushed_internal:]
+        try:
+            if log.parts == 0:  # an adapter chosen by tap() is known by the first flush
+                log.start(*self._describe())
+            log.flush(self.records, self.events, internal)
+        except Exception as exc:
+            self._on_bug(exc, f"log_dir {str(log.path)!r}")
+            return
+        self.records, self.events = [], []
+        self._flushed_internal += len(internal)
+        self._cache.clear()
+
+    def finish(self, findings: Callable[[], pd.DataFrame]) -> None:
+        """Flush, write the findings and mark the run complete.
+
+        Args:
+            findings: Diagnoses the whole run (called here, so that a failure is reported).
+        """
+        log = self.log
+        if log is None:
+            return
+        self.flush()
+        try:
+            log.finish(self.frame(), self.events_frame(), findings(), *self._describe())
+        except Exception as exc:
+            self._on_bug(exc, f"log_dir {str(log.path)!r}")
+        # The whole run is on disk; frame() reads it back when asked.
+        self._cache.pop("frame", None)
+        self._cache.pop("events", None)
+        log.release()
+
+    def is_log_dir(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` is the directory this buffer streams to."""
+        return self.log is not None and Path(path).resolve() == self.log.path.resolve()
+
+    # -- frames ---------------------------------------------------------------------------------
+
+    def cached(self, name: str, build: Callable[[], pd.DataFrame]) -> pd.DataFrame:
+        """A frame built once and kept until new rows arrive."""
+        if name not in self._cache:
+            self._cache[name] = build()
+        return self._cache[name]
+
+    def frame(self) -> pd.DataFrame:
+        """The record frame of the whole run."""
+        if "frame" not in self._cache:
+            self._read()
+        return self._cache["frame"]
+
+    def events_frame(self) -> pd.DataFrame:
+        """The event frame of the whole run."""
+        if "events" not in self._cache:
+            self._read()
+        return self._cache["events"]
+
+    def _read(self) -> None:
+        if self.log is not None:
+            self._cache["frame"], self._cache["events"] = self.log.read(self.records,
+                                                                        self.events)
+        else:
+            self._cache["frame"] = record_frame(self.records)
+            self._cache["events"] = event_frame(self.events)

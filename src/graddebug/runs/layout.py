@@ -1,0 +1,134 @@
+"""The names and the JSON file of a run directory: what writer and reader agree on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from graddebug.errors import CorruptRunError, RunFileError
+from graddebug.records import (
+    EVENT_DTYPES,
+    FINDING_DTYPES,
+    RECORD_DTYPES,
+    Event,
+    Finding,
+    Record,
+)
+
+__all__ = [
+    "FINDINGS_FILE",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "META_FILE",
+    "PART_RE",
+    "STREAMS",
+    "atomic_write",
+    "base_meta",
+    "is_run",
+    "now",
+    "part_files",
+    "read_meta",
+    "write_json",
+]
+
+FORMAT = "graddebug-run"
+FORMAT_VERSION = 1
+META_FILE = "graddebug.json"
+FINDINGS_FILE = "findings.parquet"
+
+STREAMS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "records": (Record._fields, RECORD_DTYPES),
+    "events": (Event._fields, EVENT_DTYPES),
+    "internal": (Finding._fields, FINDING_DTYPES),
+}
+"""The part streams: the tuple fields written for each, and their dtypes (from the schema)."""
+
+PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+
+
+def now() -> str:
+    """The current UTC time, ISO 8601 to the second (as stored in metadata)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def is_run(path: Path) -> bool:
+    """Whether ``path`` is a directory holding a graddebug run's JSON file."""
+    return path.is_dir() and (path / META_FILE).is_file()
+
+
+def part_files(path: Path) -> dict[str, list[Path]]:
+    """The part files of every stream of a run, in the order they were written."""
+    files: dict[str, list[Path]] = {}
+    for stream in STREAMS:
+        folder = path / stream
+        found = [(m, n) for n in (os.listdir(folder) if folder.is_dir() else [])
+                 if (m := PART_RE.match(n))]
+        files[stream] = [folder / n for m, n in sorted(found, key=lambda p: int(p[0][1]))]
+    return files
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """Write ``path`` through a temporary sibling renamed into place: readers see whole files."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, payload: Mapping[str, Any]) -> None:
+    """Write a JSON file atomically (values that are not JSON are stored as their ``str``)."""
+    text = json.dumps(payload, indent=1, default=str, allow_nan=True)
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def base_meta(status: str, metadata: Mapping[str, Any], thresholds: Mapping[str, Any],
+              **more: Any) -> dict[str, Any]:
+    """The content of a run's JSON file.
+
+    Args:
+        status: ``"running"`` or ``"complete"``.
+        metadata: Facts about the run (a ``"run"`` key, which loading adds, is dropped).
+        thresholds: The thresholds of the run, as a dict.
+        **more: Further top-level keys (``parts``, ``flush_every``, ``columns``).
+    """
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "status": status,
+        "metadata": {k: v for k, v in metadata.items() if k != "run"},
+        "thresholds": dict(thresholds),
+        **more,
+    }
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """Read and check a run's JSON file.
+
+    Raises:
+        CorruptRunError: The file is not valid JSON or not a JSON object.
+        RunFileError: It was written by a newer graddebug, or is not a graddebug run file.
+    """
+    file = path / META_FILE
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptRunError(
+            f"{str(file)!r} is truncated or corrupt ({exc}); the Parquet files next to it may "
+            "still be intact, and graddebug.load(path, skip_damaged=True) reads them with the "
+            "default thresholds.",
+            path=str(file),
+            recoverable="the Parquet parts, with default thresholds and no metadata",
+        ) from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise RunFileError(f"{str(file)!r} is not a graddebug run file (no format {FORMAT!r}).")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise RunFileError(
+            f"{str(file)!r} has format version {version!r}; this graddebug reads versions up to "
+            f"{FORMAT_VERSION}. Upgrade graddebug to read it."
+        )
+    return meta

@@ -1,0 +1,203 @@
+"""Writing runs: :func:`write_run` for finished frames, :class:`RunWriter` for streaming."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from graddebug.errors import ConfigError, RunFileError
+from graddebug.records import Event, Finding, Record
+from graddebug.runs.arrowio import (
+    ColumnSpec,
+    frame_spec,
+    frame_to_table,
+    require_pyarrow,
+    rows_to_table,
+)
+from graddebug.runs.layout import (
+    FINDINGS_FILE,
+    META_FILE,
+    STREAMS,
+    atomic_write,
+    base_meta,
+    is_run,
+    now,
+    write_json,
+)
+from graddebug.runs.reader import read_streams
+
+__all__ = ["DEFAULT_FLUSH_EVERY", "FLUSH_SECONDS", "RunWriter", "write_run"]
+
+DEFAULT_FLUSH_EVERY = 100
+"""Recorded steps buffered in memory before they are written (``watch(flush_every=...)``)."""
+FLUSH_SECONDS = 30.0
+"""A flush also happens at the first recorded step this many seconds after the last one, so
+that slow steps lose little to a crash."""
+
+
+def _write_parquet(path: Path, table: Any) -> None:
+    _, pq = require_pyarrow()
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def _specs(**frames: pd.DataFrame) -> dict[str, ColumnSpec]:
+    return {name: frame_spec(frame) for name, frame in frames.items()}
+
+
+def write_run(path: str | os.PathLike[str], records: pd.DataFrame, events: pd.DataFrame,
+              findings: pd.DataFrame, *, thresholds: Mapping[str, Any],
+              metadata: Mapping[str, Any]) -> Path:
+    """Write finished frames as a complete run, replacing a run already at ``path``.
+
+    The run is written into a temporary sibling directory and then renamed into place.
+
+    Args:
+        path: The run directory to create.
+        records: The record frame.
+        events: The event frame.
+        findings: The findings frame.
+        thresholds: The thresholds the findings were computed with, as a dict.
+        metadata: Facts about the run; values that are not JSON are stored as ``str``.
+
+    Returns:
+        The run directory.
+
+    Raises:
+        RunFileError: ``path`` is a file, or a non-empty directory that holds no run; or a
+            column cannot be stored.
+        MissingFrameworkError: pyarrow is not installed.
+    """
+    target = Path(path)
+    if target.exists() and not is_run(target) and (target.is_file() or any(target.iterdir())):
+        raise RunFileError(
+            f"cannot save a run to {str(target)!r}: it is a file or a non-empty directory that "
+            "holds no graddebug run. Choose a new path."
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for stream, frame in (("records", records), ("events", events)):
+            (tmp / stream).mkdir(parents=True)
+            table, _ = frame_to_table(frame)
+            _write_parquet(tmp / stream / "part-000000.parquet", table)
+        (tmp / "internal").mkdir()
+        _write_parquet(tmp / FINDINGS_FILE, frame_to_table(findings)[0])
+        write_json(tmp / META_FILE, base_meta(
+            "complete", metadata, thresholds, parts=1,
+            columns=_specs(records=records, events=events, findings=findings)))
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+class RunWriter:
+    """Streams one Watcher's records to a run directory.
+
+    The Watcher keeps only what is not yet flushed; :meth:`read` returns the whole run.
+
+    Args:
+        path: The run directory; it must not exist yet, or be empty.
+        flush_every: Write a part after this many recorded steps.
+
+    Raises:
+        ConfigError: ``path`` is a file or a non-empty directory.
+        MissingFrameworkError: pyarrow is not installed.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, flush_every: int) -> None:
+        require_pyarrow()
+        self.path = Path(path)
+        self.flush_every = flush_every
+        self._check_free()
+        self._started = False
+        self._parts = 0
+        self._pending_steps = 0
+        self._last_flush = time.monotonic()
+        self._meta: dict[str, Any] = {}
+        # Parts read back by read(), kept only once someone asked for the frame mid-run.
+        self._cache: dict[str, dict[Path, Any]] = {}
+
+    def _check_free(self) -> None:
+        if self.path.is_file() or (self.path.is_dir() and any(self.path.iterdir())):
+            what = "a graddebug run" if is_run(self.path) else "a file or a non-empty directory"
+            raise ConfigError(
+                f"log_dir={str(self.path)!r} is {what}; graddebug will not overwrite it (it may "
+                "be the post-mortem of an earlier run). Pass a new directory, e.g. "
+                "log_dir=f\"runs/{time.strftime('%Y%m%d-%H%M%S')}\"."
+            )
+
+    @property
+    def parts(self) -> int:
+        """How many parts have been flushed."""
+        return self._parts
+
+    def start(self, metadata: Mapping[str, Any], thresholds: Mapping[str, Any]) -> None:
+        """Create the directory (the first time) and mark the run as running."""
+        if not self._started:
+            self._check_free()
+            for stream in STREAMS:
+                (self.path / stream).mkdir(parents=True, exist_ok=True)
+            self._started = True
+        self._meta = base_meta("running", metadata, thresholds, flush_every=self.flush_every,
+                                parts=self._parts)
+        write_json(self.path / META_FILE, self._meta)
+
+    def step_recorded(self) -> bool:
+        """Count one recorded step; return whether a flush is due."""
+        self._pending_steps += 1
+        return (self._pending_steps >= self.flush_every
+                or time.monotonic() - self._last_flush >= FLUSH_SECONDS)
+
+    def flush(self, records: Sequence[Record], events: Sequence[Event],
+              internal: Sequence[Finding]) -> None:
+        """Write the buffered rows as one part per stream; the caller then drops them."""
+        self._pending_steps = 0
+        self._last_flush = time.monotonic()
+        if not (records or events or internal):
+            return
+        name = f"part-{self._parts:06d}.parquet"
+        for stream, rows in (("records", records), ("events", events), ("internal", internal)):
+            if rows:
+                fields, types = STREAMS[stream]
+                _write_parquet(self.path / stream / name, rows_to_table(rows, fields, types))
+        self._parts += 1
+
+    def read(self, records: Sequence[Record], events: Sequence[Event]
+             ) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """Return the record and event frames of the whole run: flushed parts plus ``records``
+        and ``events`` still in memory.
+
+        Parts read once stay in memory (as Arrow tables) until :meth:`release`, so that asking
+        for the frame repeatedly during training reads each part once.
+        """
+        frames = read_streams(self.path, pending={"records": records, "events": events},
+                              cache=self._cache)
+        return frames["records"], frames["events"]
+
+    def release(self) -> None:
+        """Drop the parts that :meth:`read` keeps in memory."""
+        self._cache.clear()
+
+    def finish(self, records: pd.DataFrame, events: pd.DataFrame, findings: pd.DataFrame,
+               metadata: Mapping[str, Any], thresholds: Mapping[str, Any]) -> None:
+        """Write the findings and mark the run complete (after a final :meth:`flush`)."""
+        _write_parquet(self.path / FINDINGS_FILE, frame_to_table(findings)[0])
+        columns = _specs(records=records, events=events, findings=findings)
+        write_json(self.path / META_FILE, base_meta(
+            "complete", {**metadata, "finished": now()}, thresholds,
+            flush_every=self.flush_every, parts=self._parts, columns=columns))
+
