@@ -8,20 +8,18 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from enum import Enum
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-import numpy as np
-import pandas as pd
 import pluggy
 
-from graddebug.adapter import Adapter, StepResult, WatchOptions
+from graddebug.adapter import Adapter, StepResult
 from graddebug.capture.buffer import RunBuffer
-from graddebug.capture.layers import Intervention, parse_interventions
+from graddebug.capture.layers import Intervention
 from graddebug.capture.metadata import run_metadata
+from graddebug.capture.options import build_options
+from graddebug.capture.results import RunResults
 from graddebug.config import Thresholds
-from graddebug.detectors import diagnose
 from graddebug.errors import (
     ConfigError,
     GradDebugError,
@@ -31,10 +29,8 @@ from graddebug.errors import (
     WatcherStateError,
     close_matches,
 )
-from graddebug.frames import summary_frame
 from graddebug.plugins import find_adapter, get_plugin_manager
 from graddebug.records import Finding, Issue, Severity
-from graddebug.report.report import Report
 from graddebug.runs.layout import now
 from graddebug.runs.writer import DEFAULT_FLUSH_EVERY
 
@@ -53,7 +49,7 @@ class StepState(Enum):
     arrived since."""
 
 
-class Watcher:
+class Watcher(RunResults):
     """Captures gradients of a model, of named tensors, or of taps, and diagnoses them.
 
     Use it as a context manager; see :func:`watch` for the options. Everything it installed is
@@ -78,41 +74,22 @@ class Watcher:
         flush_every: int = DEFAULT_FLUSH_EVERY,
         plugin_manager: pluggy.PluginManager | None = None,
     ) -> None:
-        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
-            raise ConfigError(f"flush_every={flush_every!r} must be a positive int (steps).")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(f"every={every!r} must be a positive int (1 records every step).")
-        if param_stats not in ("norm", "full"):
-            raise ConfigError(f"param_stats={param_stats!r} must be 'norm' or 'full'.")
-        if params is not None and not isinstance(params, Mapping):
-            raise ConfigError(
-                f"params={params!r} must map names to tensors or variables, "
-                'for example params={"W": W, "b": b}.'
-            )
-        if params is not None and not params:
-            raise ConfigError("params={} is empty; pass at least one tensor, or leave it out.")
-        self.thresholds = Thresholds.coerce(thresholds)
+        self._options = build_options(
+            params=params, layers=layers, keep=keep, intervene=intervene, every=every,
+            outputs=outputs, param_stats=param_stats, optimizer=optimizer,
+            flush_every=flush_every)
         self.strict = strict
         self.every = every
         self._model = model
         self._params = params
-        self._options = WatchOptions(
-            layers=_as_list(layers),
-            keep=frozenset(_as_list(keep) or ()),
-            intervene=parse_interventions(intervene),
-            outputs=outputs,
-            param_stats=param_stats,
-            optimizer=optimizer,
-            every=every,
-        )
-        self._pm = plugin_manager or get_plugin_manager()
+        super().__init__(RunBuffer(log_dir, flush_every, self._describe, self.internal_error),
+                         Thresholds.coerce(thresholds), plugin_manager or get_plugin_manager())
         self._adapter: Adapter | None = None
         self._active = False
         self._step = 0
         self._closed = StepState.OPEN  # who closed the last step; OPEN before the first
         self._warned = False
         self._started = ""
-        self._buffer = RunBuffer(log_dir, flush_every, self._describe, self.internal_error)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -405,108 +382,11 @@ class Watcher:
         if self._step == before:
             self._close(grads, StepState.CLOSED_BY_USER)
 
-    # -- results -----------------------------------------------------------------------------
-
-    def frame(self) -> pd.DataFrame:
-        """Return one row per (step, tensor): the statistics of every recorded gradient.
-
-        Columns, in order: ``step, layer, tensor, kind, depth, shape, numel, norm, mean, std,
-        absmax, zero_frac, nan, inf``, plus ``pre_norm`` where an intervention acted.
-        """
-        return self._buffer.frame()
-
-    def events(self) -> pd.DataFrame:
-        """Return the structural events: parameters with no gradient, detached outputs, layers
-        no gradient reached, outputs that were non-finite in forward."""
-        return self._buffer.events_frame()
-
-    def findings(self) -> pd.DataFrame:
-        """Return one row per diagnosis: ``step, layer, tensor, issue, severity, value,
-        threshold, message``. Empty for a healthy model."""
-        return self._buffer.cached("findings", lambda: diagnose(
-            self.frame(), self.events(), self.thresholds, extra=self._buffer.internal,
-            plugin_manager=self._pm))
-
-    def summary(self) -> pd.DataFrame:
-        """Return the per-layer aggregate over recorded steps, in depth order."""
-        return self._buffer.cached("summary",
-                                   lambda: summary_frame(self.frame(), self.findings()))
-
-    def report(self, metadata: Mapping[str, Any] | None = None) -> Report:
-        """Return the run so far as a :class:`Report`, which outlives the model.
-
-        Args:
-            metadata: Extra facts to store with the run.
-        """
-        return Report(
-            self.frame(),
-            self.events(),
-            self.findings(),
-            thresholds=self.thresholds,
-            metadata={**self._run_metadata(), **(metadata or {})},
-        )
-
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the run so far to the directory ``path``, for :func:`graddebug.load`.
-
-        The same format as ``watch(log_dir=...)``; see :meth:`graddebug.Report.save`.
-
-        Args:
-            path: The run directory to write (a run already there is replaced).
-
-        Returns:
-            The run directory.
-
-        Raises:
-            RunFileError: ``path`` is a file or a directory that holds something else.
-            MissingFrameworkError: pyarrow is missing (``pip install graddebug[report]``).
-            WatcherStateError: ``path`` is this Watcher's ``log_dir`` and the block is running.
-        """
-        if self._active and self._buffer.is_log_dir(path):
-            raise WatcherStateError(
-                f"save({str(path)!r}) would replace the log_dir this Watcher is streaming to; "
-                "save elsewhere, or load the log_dir once the `with` block has ended."
-            )
-        return self.report().save(path)
-
-    def tensors(self, step: int | None = None) -> dict[str, np.ndarray]:
-        """Return the full gradients kept by ``keep=`` at one step.
-
-        Keys are the layer name for a layer output (``"fc1"``), ``"fc1.output.0"`` for parts of
-        tuple outputs, ``"fc1.weight"`` for parameters; a layer called several times in a step
-        adds ``"fc1#1"``, ``"fc1#2"``, ...
-
-        Args:
-            step: A recorded step; None for the latest step that kept anything.
-
-        Raises:
-            WatcherStateError: Nothing was kept (``keep=`` was not given or matched nothing).
-            KeyError: ``step`` kept nothing.
-        """
-        kept = self._buffer.kept
-        if not kept:
-            raise WatcherStateError(
-                "no gradients were kept; pass keep=['layer', ...] to watch() to keep them."
-            )
-        if step is None:
-            step = max(kept)
-        if step not in kept:
-            raise KeyError(f"step {step!r} kept no gradients; steps that did: {sorted(kept)}")
-        return dict(kept[step])
-
     def __repr__(self) -> str:
         state = "active" if self._active else "inactive"
         adapter = self._adapter.name if self._adapter is not None else "none"
         return (f"<Watcher {state} adapter={adapter} step={self._step} "
                 f"records={self._buffer.rows}>")
-
-
-def _as_list(value: Any) -> list[Any] | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, type)):
-        return [value]
-    return list(value)
 
 
 def watch(model: Any = None, **options: Any) -> Watcher:
