@@ -103,10 +103,9 @@ class Watcher(RunResults):
         self._started = self._started or now()
         try:
             if target is not None:
-                self._attach(target)
+                adapter = self._attach(target)
                 if self._options.optimizer is not None:
-                    self._adapter.bind_optimizer(  # type: ignore[union-attr]
-                        self._options.optimizer, self._optimizer_stepped)
+                    adapter.bind_optimizer(self._options.optimizer, self._optimizer_stepped)
             self._buffer.start()
         except BaseException:
             self._active = False
