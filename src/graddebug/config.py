@@ -4,13 +4,38 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from graddebug.errors import ConfigError, close_matches
 
-__all__ = ["Thresholds"]
+__all__ = ["Thresholds", "as_number"]
+
+
+def as_number(value: object, *, integral: bool = False) -> int | float | None:
+    """Return ``value`` as a plain Python number, or None when it is not a real number.
+
+    numpy scalars (``np.int64``, ``np.float32``, ...) count as numbers, so that values read
+    from arrays work wherever a literal does; they come back as ``int`` or ``float`` so that
+    metadata and JSON files never hold a numpy type. Booleans, strings and tensors (also 0-d
+    ones) are not numbers.
+
+    Args:
+        value: What the user gave.
+        integral: Accept integers only (``5`` and ``np.int64(5)``, not ``5.0``).
+
+    Returns:
+        An ``int`` for an integral value, a ``float`` for another real one, else None.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None  # np.bool_ is no numbers.Real; a torch tensor is neither
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if integral:
+        return None
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -49,16 +74,19 @@ class Thresholds:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            number = as_number(value)
+            if number is None:
                 raise ConfigError(
                     f"threshold {field.name}={value!r} must be a number, "
                     f"for example {field.default!r}."
                 )
-            if not math.isfinite(value) or value <= 0:
+            if not math.isfinite(number) or number <= 0:
                 raise ConfigError(
                     f"threshold {field.name}={value!r} must be finite and positive; "
                     f"the default is {field.default!r}."
                 )
+            # Store plain Python numbers: thresholds go into JSON files and messages.
+            object.__setattr__(self, field.name, number)
         if self.dead_fraction > 1:
             raise ConfigError(
                 f"threshold dead_fraction={self.dead_fraction!r} is a fraction of units and "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
+from graddebug.config import as_number
 from graddebug.errors import (
     ConfigError,
     GradDebugError,
@@ -155,12 +156,18 @@ class Intervention:
     scale: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("clip_value", "clip_norm"):
+        for name in ("clip_value", "clip_norm", "scale"):
             value = getattr(self, name)
-            if value is not None and not (_is_number(value) and value > 0):
-                raise ConfigError(f"{name}={value!r} must be a positive finite number.")
-        if self.scale is not None and not _is_number(self.scale):
-            raise ConfigError(f"scale={self.scale!r} must be a finite number.")
+            if value is None:
+                continue
+            number = as_number(value)
+            positive = name != "scale"
+            if number is None or not math.isfinite(number) or (positive and number <= 0):
+                kind = "a positive finite number" if positive else "a finite number"
+                raise ConfigError(f"{name}={value!r} must be {kind}.")
+            # A plain float: numpy scalars (np.float32) would change the dtype of the
+            # framework's arithmetic, and the value goes into the run's JSON file.
+            object.__setattr__(self, name, float(number))
 
     @property
     def active(self) -> bool:
@@ -174,12 +181,6 @@ class Intervention:
 
 
 _FIELDS = ("clip_value", "clip_norm", "mask", "scale")
-
-
-def _is_number(value: object) -> bool:
-    return (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    )
 
 
 def parse_interventions(spec: Mapping[str, Any] | None) -> dict[str, Intervention]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import numbers
 import os
 import platform
 import socket
@@ -31,6 +32,8 @@ def _describe(value: Any) -> Any:
     """A JSON-friendly account of an option value (tensors and callables by their type)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, numbers.Number) and hasattr(value, "item"):
+        return value.item()  # numpy scalars (every=np.int64(5)) are stored as numbers
     if isinstance(value, type):
         return _qualname(value)
     if isinstance(value, Mapping):

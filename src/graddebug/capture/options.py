@@ -1,42 +1,99 @@
-"""The options of ``watch``, checked once on construction and handed to the adapter."""
+"""The options of ``watch``, checked once on construction and handed to the adapter.
+
+A wrong option is the user's mistake, so each check raises a :class:`ConfigError` that quotes
+the value and says what would work, before anything is attached or written. Values that go
+into the run's JSON file (``every``, ``flush_every``) are stored as plain Python numbers.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
+
+import numpy as np
 
 from graddebug.adapter import WatchOptions
 from graddebug.capture.layers import parse_interventions
+from graddebug.config import as_number
 from graddebug.errors import ConfigError
+from graddebug.runs.layout import check_run_path
 
-__all__ = ["build_options"]
+__all__ = ["build_options", "check_flag", "check_log_dir"]
 
 
-def _as_list(value: Any) -> list[Any] | None:
+def _as_list(option: str, value: Any, example: str) -> list[Any] | None:
     if value is None:
         return None
     if isinstance(value, (str, type)):
         return [value]
+    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{option}={value!r} must be {example}.")
     return list(value)
+
+
+def _positive_int(option: str, value: Any, meaning: str) -> int:
+    number = as_number(value, integral=True)
+    if number is None or number < 1:
+        raise ConfigError(f"{option}={value!r} must be a positive int ({meaning}).")
+    return int(number)
+
+
+def check_flag(option: str, value: Any) -> bool:
+    """Return ``value`` as a bool, refusing anything that is only truthy.
+
+    ``outputs="no"`` is a non-empty string, so a truth test would read it as True: the
+    opposite of what was meant.
+
+    Args:
+        option: The option's name, for the message.
+        value: What the user gave (``bool`` or ``numpy.bool_``).
+
+    Raises:
+        ConfigError: ``value`` is not a bool.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ConfigError(f"{option}={value!r} must be True or False.")
+
+
+def check_log_dir(log_dir: Any) -> None:
+    """Check that ``log_dir`` can become a run directory, before training starts.
+
+    Without this, a path under a regular file fails with ``NotADirectoryError`` on entering,
+    and a name that is not valid UTF-8 makes every flush fail, each failure recorded only as
+    an internal error.
+
+    Args:
+        log_dir: The ``log_dir=`` option (None for none).
+
+    Raises:
+        ConfigError: ``log_dir`` is not a ``str`` or path, is not valid UTF-8, or lies under
+            a file.
+    """
+    if log_dir is not None:
+        check_run_path(log_dir, "log_dir")
 
 
 def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | str | type | None,
                   keep: Sequence[str] | str | None, intervene: Mapping[str, Any] | None,
                   every: int, outputs: bool, param_stats: Literal["norm", "full"],
-                  optimizer: Any, flush_every: int) -> WatchOptions:
+                  optimizer: Any, flush_every: int, strict: bool = False,
+                  log_dir: str | os.PathLike[str] | None = None) -> WatchOptions:
     """Check the options of ``watch`` and return what the adapter reads.
 
     Args:
-        params, layers, keep, intervene, every, outputs, param_stats, optimizer, flush_every:
-            As documented on :func:`graddebug.watch`.
+        params, layers, keep, intervene, every, outputs, param_stats, optimizer, flush_every,
+        strict, log_dir: As documented on :func:`graddebug.watch`.
 
     Raises:
         ConfigError: An option has an unusable value.
     """
-    if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
-        raise ConfigError(f"flush_every={flush_every!r} must be a positive int (steps).")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ConfigError(f"every={every!r} must be a positive int (1 records every step).")
+    _positive_int("flush_every", flush_every, "steps")
+    every = _positive_int("every", every, "1 records every step")
+    outputs = check_flag("outputs", outputs)
+    check_flag("strict", strict)
+    check_log_dir(log_dir)
     if param_stats not in ("norm", "full"):
         raise ConfigError(f"param_stats={param_stats!r} must be 'norm' or 'full'.")
     if params is not None and not isinstance(params, Mapping):
@@ -46,9 +103,14 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
         )
     if params is not None and not params:
         raise ConfigError("params={} is empty; pass at least one tensor, or leave it out.")
+    kept = _as_list("keep", keep, 'a layer or tap name or a list of names, e.g. keep=["fc1"]')
+    for name in kept or ():
+        if not isinstance(name, str):
+            raise ConfigError(f"keep entry {name!r} must be a layer or tap name (a str).")
     return WatchOptions(
-        layers=_as_list(layers),
-        keep=frozenset(_as_list(keep) or ()),
+        layers=_as_list("layers", layers, 'a layer name, a glob, a layer type, or a list of '
+                        'them, e.g. layers=["encoder.*", torch.nn.Linear]'),
+        keep=frozenset(kept or ()),
         intervene=parse_interventions(intervene),
         outputs=outputs,
         param_stats=param_stats,

@@ -77,7 +77,7 @@ class Watcher(RunResults):
         self._options = build_options(
             params=params, layers=layers, keep=keep, intervene=intervene, every=every,
             outputs=outputs, param_stats=param_stats, optimizer=optimizer,
-            flush_every=flush_every)
+            flush_every=flush_every, strict=strict, log_dir=log_dir)
         self.strict = strict
         self.every = every
         self._model = model

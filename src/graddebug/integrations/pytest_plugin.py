@@ -11,7 +11,8 @@ the adapters are imported when a test first uses the fixture.
 - ``@pytest.mark.graddebug(**thresholds)`` overrides thresholds for one test (or a class or a
   module, the closest marker winning per threshold).
 - ``--graddebug-dir DIR`` saves each run of each test under ``DIR/<test id>`` (further runs of
-  the same test as ``DIR/<test id>--2``, ``--3``, ...).
+  the same test as ``DIR/<test id>--2``, ``--3``, ...). Names are unique within a session: a
+  name another test or run already holds gets a hash of the test id added.
 - ``--graddebug-strict`` fails, at teardown, every passing test whose runs have any finding.
 """
 
@@ -41,7 +42,7 @@ MARKER = "graddebug"
 _ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
 _CALL_EXC = pytest.StashKey["_ExcInfo | None"]()
 _CALL_PASSED = pytest.StashKey[bool]()
-_NAMES = pytest.StashKey[dict[str, str]]()  # directory name -> nodeid, per session
+_NAMES = pytest.StashKey[dict[str, tuple[str, int]]]()  # directory name -> (nodeid, run)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_NAME = 120
@@ -129,15 +130,29 @@ def marker_thresholds(node: pytest.Item) -> dict[str, float]:
     return merged
 
 
-def _dir_name(nodeid: str, taken: dict[str, str]) -> str:
-    """A file-system-safe directory name for a test id, unique within the session."""
-    name = _UNSAFE.sub("_", nodeid.replace("::", "__")).strip("._") or "test"
+def _dir_name(nodeid: str, taken: dict[str, tuple[str, int]], run: int = 1) -> str:
+    """A file-system-safe directory name for run ``run`` of a test, unique within the session.
+
+    Every name handed out is recorded in ``taken`` (case-folded, for file systems that ignore
+    case) with the test and run it belongs to, the ``--N`` names of further runs included. A
+    name already held by another test or run gets a hash of the test id instead, so that
+    ``test_p[x--2]`` and the second run of ``test_p[x]`` never share a directory.
+
+    Args:
+        nodeid: The test's id.
+        taken: Names handed out so far in this session, by case-folded name.
+        run: Which run of the test, from 1; runs after the first get a ``--N`` suffix.
+    """
+    base = _UNSAFE.sub("_", nodeid.replace("::", "__")).strip("._") or "test"
     digest = hashlib.sha1(nodeid.encode()).hexdigest()[:10]
-    if len(name) > _MAX_NAME:
-        name = f"{name[:_MAX_NAME]}-{digest}"
-    if taken.get(name, nodeid) != nodeid:
-        name = f"{name}-{digest}"
-    taken[name] = nodeid
+    if len(base) > _MAX_NAME:
+        base = f"{base[:_MAX_NAME]}-{digest}"
+    owner = (nodeid, run)
+    suffix = "" if run == 1 else f"--{run}"
+    name, attempt = f"{base}{suffix}", 0
+    while taken.setdefault(name.casefold(), owner) != owner:
+        attempt += 1
+        name = f"{base}-{digest}{'' if attempt == 1 else f'-{attempt}'}{suffix}"
     return name
 
 
@@ -245,14 +260,13 @@ class GradDebugFixture:
 
     def _save(self, config: pytest.Config, reports: list[tuple[str, Report]],
               outcome: str) -> None:
-        base = _report_dir(config) / _dir_name(self.nodeid, config.stash[_NAMES])
+        base = _report_dir(config)
         for index, (label, report) in enumerate(reports, start=1):
             report.metadata.setdefault(
                 "pytest", {"nodeid": self.nodeid, "run": index, "label": label,
                            "outcome": outcome}
             )
-            path = base if index == 1 else base.with_name(f"{base.name}--{index}")
-            report.save(path)
+            report.save(base / _dir_name(self.nodeid, config.stash[_NAMES], index))
 
     def _judge(self, reports: list[tuple[str, Report]]) -> None:
         __tracebackhide__ = True

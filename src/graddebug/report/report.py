@@ -11,6 +11,7 @@ import pandas as pd
 
 from graddebug.config import Thresholds
 from graddebug.detectors import diagnose
+from graddebug.errors import RunFileError
 from graddebug.frames import summary_frame
 from graddebug.records import Finding, Issue
 
@@ -137,11 +138,14 @@ class Report:
             The run directory.
 
         Raises:
-            RunFileError: ``path`` is a file or a directory that holds something else.
+            RunFileError: ``path`` is a file or a directory that holds something else, is not
+                valid UTF-8, or lies under a file.
             MissingFrameworkError: pyarrow is missing (``pip install graddebug[report]``).
         """
+        from graddebug.runs.layout import check_run_path
         from graddebug.runs.writer import write_run
 
+        check_run_path(path, "save(path)", RunFileError)
         return write_run(path, self._records, self._events, self._findings,
                          thresholds=self.thresholds.as_dict(), metadata=self.metadata)
 

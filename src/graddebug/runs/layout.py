@@ -10,7 +10,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from graddebug.errors import CorruptRunError, RunFileError
+import numpy as np
+
+from graddebug.errors import ConfigError, CorruptRunError, GradDebugError, RunFileError
 from graddebug.records import (
     EVENT_DTYPES,
     FINDING_DTYPES,
@@ -29,6 +31,7 @@ __all__ = [
     "STREAMS",
     "atomic_write",
     "base_meta",
+    "check_run_path",
     "is_run",
     "now",
     "part_files",
@@ -56,6 +59,47 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def check_run_path(path: object, option: str,
+                   error: type[GradDebugError] = ConfigError) -> Path:
+    """Check that ``path`` can name a run directory, before anything is written.
+
+    The operating system accepts names that a run cannot hold: a name that is not valid UTF-8
+    (the run's JSON file and Parquet's file system layer encode paths as UTF-8), a NUL byte,
+    or a path below a regular file. Each would otherwise fail mid-way with a raw
+    ``UnicodeEncodeError``, ``ValueError`` or ``NotADirectoryError``.
+
+    Args:
+        path: The ``str`` or ``os.PathLike`` the user gave.
+        option: How the user gave it, for the message (``"log_dir"``, ``"save(path)"``).
+        error: The error class to raise.
+
+    Returns:
+        The path.
+
+    Raises:
+        GradDebugError: ``error``, naming the path and the fix.
+    """
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text:
+        raise error(f"{option}={path!r} must be a non-empty str or pathlib.Path naming a "
+                    "directory, e.g. \"runs/exp1\".")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(f"{option}={text!r} is not valid UTF-8 ({exc.reason} at position "
+                    f"{exc.start}), and a run stores its path as UTF-8. Choose a directory "
+                    "name that is valid UTF-8.") from exc
+    if "\0" in text:
+        raise error(f"{option}={text!r} holds a NUL character, which no file name may hold.")
+    for parent in Path(text).absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise error(f"{option}={text!r} lies under {str(parent)!r}, which is a file, "
+                            "not a directory. Choose a path inside a directory.")
+            break
+    return Path(text)
+
+
 def is_run(path: Path) -> bool:
     """Whether ``path`` is a directory holding a graddebug run's JSON file."""
     return path.is_dir() and (path / META_FILE).is_file()
@@ -79,9 +123,14 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     os.replace(tmp, path)
 
 
+def _json_default(value: Any) -> Any:
+    # numpy scalars given as options (every=np.int64(5)) stay numbers in the file.
+    return value.item() if isinstance(value, np.generic) else str(value)
+
+
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:
     """Write a JSON file atomically (values that are not JSON are stored as their ``str``)."""
-    text = json.dumps(payload, indent=1, default=str, allow_nan=True)
+    text = json.dumps(payload, indent=1, default=_json_default, allow_nan=True)
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
