@@ -223,11 +223,12 @@ def test_parts_or_specs_that_do_not_fit_are_corrupt(tmp_path: Path) -> None:
     runs.healthy().save(tmp_path / "saved")
     meta_file = tmp_path / "saved" / META_FILE
     meta = json.loads(meta_file.read_text())
+    spec = meta["columns"]["records"]
     meta["columns"]["records"] = [["step", "int64", "extra"]]
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(CorruptRunError, match=r"column specs .* are malformed"):
         graddebug.load(tmp_path / "saved")
-    meta["columns"]["records"] = [["no_such_column", "int64"]]
+    meta["columns"]["records"] = [*spec, ["no_such_column", "int64"]]
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(CorruptRunError, match="no_such_column"):
         graddebug.load(tmp_path / "saved")

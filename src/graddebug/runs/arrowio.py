@@ -202,8 +202,8 @@ def table_to_frame(table: Any, spec: ColumnSpec) -> pd.DataFrame:
         A frame with exactly ``spec``'s columns and dtypes and a RangeIndex.
 
     Raises:
-        RunFileError: A column is missing, has nulls where its dtype allows none, or a dtype
-            is not supported.
+        RunFileError: A column is missing, has nulls where its dtype allows none, is stored
+            with another type than its dtype, or a dtype is not supported.
     """
     pa, _ = require_pyarrow()
     data: dict[str, pd.Series[Any]] = {}
@@ -220,6 +220,10 @@ def table_to_frame(table: Any, spec: ColumnSpec) -> pd.DataFrame:
             continue
         if column.null_count:
             raise RunFileError(f"column {name!r} ({dtype}) holds {column.null_count} nulls.")
+        if column.type != pa.from_numpy_dtype(np.dtype(dtype)):
+            # The spec and the file disagree: a cast would silently change the values.
+            raise RunFileError(f"column {name!r} is stored as {column.type}, but its spec "
+                               f"says {dtype}.")
         values = column.to_numpy() if table.num_rows else np.empty(0)
         data[name] = pd.Series(values.astype(dtype, copy=False), index=index)
     return pd.DataFrame(data, index=index, columns=[name for name, _ in spec])

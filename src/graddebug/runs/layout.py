@@ -33,6 +33,7 @@ __all__ = [
     "base_meta",
     "check_run_path",
     "is_run",
+    "link_problem",
     "now",
     "part_files",
     "read_meta",
@@ -116,6 +117,29 @@ def part_files(path: Path) -> dict[str, list[Path]]:
     return files
 
 
+def link_problem(run: Path, path: Path) -> str | None:
+    """Why ``path`` must not be read as part of the run ``run``, or None when it may.
+
+    A run directory is untrusted input (it may come from someone else's machine): a file in
+    it that is a symbolic link, or whose real path lies outside the run, would make the reader
+    open files the run does not own (``/etc/passwd``, a device). graddebug itself never writes
+    links, so any link is refused. The run directory itself may be reached through a link.
+
+    Args:
+        run: The run directory.
+        path: A file or folder inside it.
+    """
+    if path.is_symlink():
+        return f"it is a symbolic link (to {os.readlink(path)!r}); a run holds no links"
+    try:
+        inside = path.resolve().is_relative_to(run.resolve())
+    except (OSError, RuntimeError) as exc:  # a link loop
+        return f"its real path cannot be resolved ({exc})"
+    if not inside:
+        return f"its real path {str(path.resolve())!r} lies outside the run directory"
+    return None
+
+
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` through a temporary sibling renamed into place: readers see whole files."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -158,13 +182,19 @@ def read_meta(path: Path) -> dict[str, Any]:
     """Read and check a run's JSON file.
 
     Raises:
-        CorruptRunError: The file is not valid JSON or not a JSON object.
+        CorruptRunError: The file is not valid JSON (or nested too deeply to parse), or it is
+            a symbolic link or lies outside the run directory.
         RunFileError: It was written by a newer graddebug, or is not a graddebug run file.
     """
     file = path / META_FILE
+    refused = link_problem(path, file)
+    if refused is not None:
+        raise CorruptRunError(f"{str(file)!r} cannot be read: {refused}.", path=str(file),
+                              recoverable="nothing: the run directory was tampered with")
     try:
+        # RecursionError: JSON nested thousands of levels deep, which graddebug never writes.
         meta = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CorruptRunError(
             f"{str(file)!r} is truncated or corrupt ({exc}); the Parquet files next to it may "
             "still be intact, and graddebug.load(path, skip_damaged=True) reads them with the "

@@ -5,15 +5,18 @@ layer (:func:`graddebug.load`) turns what is read into a Report."""
 from __future__ import annotations
 
 import os
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from graddebug.config import Thresholds
 from graddebug.errors import ConfigError, CorruptRunError, NotARunError
+from graddebug.records import EVENT_DTYPES, FINDING_DTYPES, RECORD_DTYPES
 from graddebug.runs.arrowio import (
     ColumnSpec,
     require_pyarrow,
@@ -21,7 +24,14 @@ from graddebug.runs.arrowio import (
     table_spec,
     table_to_frame,
 )
-from graddebug.runs.layout import FINDINGS_FILE, META_FILE, STREAMS, part_files, read_meta
+from graddebug.runs.layout import (
+    FINDINGS_FILE,
+    META_FILE,
+    STREAMS,
+    link_problem,
+    part_files,
+    read_meta,
+)
 
 __all__ = ["Progress", "StoredRun", "read_run", "read_streams"]
 
@@ -36,7 +46,52 @@ class _Streams:
     readable: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # step ranges
 
 
-def _read_table(file: Path) -> Any:
+_TEXT = frozenset({"object", "str", "string"})
+"""Dtype names of text columns: pandas versions name the schema's ``object`` columns
+differently, and all three hold the same values."""
+
+_OPTIONAL = frozenset({"pre_norm"})
+"""Schema columns a part or a spec may lack (``pre_norm`` exists only where one acted)."""
+
+
+class _Damaged(Exception):
+    pass
+
+
+def _arrow_fits(pa: Any, dtype: str, kind: Any) -> bool:
+    """Whether an Arrow column of type ``kind`` holds the schema's ``dtype`` as graddebug
+    writes it: strings (or lists of int64, for shapes) for text, the exact type otherwise."""
+    if dtype == "object":
+        return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind) or (
+            pa.types.is_list(kind) and kind.value_type == pa.int64()))
+    return bool(kind == pa.from_numpy_dtype(np.dtype(dtype)))
+
+
+def _check_table(table: Any, schema: Mapping[str, str]) -> None:
+    """Refuse a table whose schema columns are missing or not of the schema's type.
+
+    Casting would turn a tampered column (``int8`` steps, float norms stored as ``uint8``, a
+    string ``step``) into plausible-looking numbers, so nothing is cast.
+    """
+    pa, _ = require_pyarrow()
+    names = table.column_names
+    for name, dtype in schema.items():
+        if name not in names:
+            if name in _OPTIONAL:
+                continue
+            raise _Damaged(f"no {name!r} column in {names}")
+        kind = table.schema.field(name).type
+        if not _arrow_fits(pa, dtype, kind):
+            raise _Damaged(f"column {name!r} is of Arrow type {kind}, where the schema has "
+                           f"{dtype}")
+
+
+def _read_table(run: Path, file: Path) -> Any:
+    refused = link_problem(run, file)
+    if refused is not None:
+        raise _Damaged(refused)
+    if not file.is_file():
+        raise _Damaged("it is not a regular file")
     pa, pq = require_pyarrow()
     try:
         return pq.read_table(file)
@@ -44,24 +99,35 @@ def _read_table(file: Path) -> Any:
         raise _Damaged(str(exc)) from exc
 
 
-class _Damaged(Exception):
-    pass
+def _check_folders(path: Path, complete: bool, out: _Streams) -> None:
+    """A stream folder that is a file (or a link) would read as a stream with no rows."""
+    for stream in STREAMS:
+        folder = path / stream
+        refused = link_problem(path, folder)
+        if refused is None and folder.exists() and not folder.is_dir():
+            refused = "it is a file where the run has a directory of parts"
+        elif refused is None and complete and not folder.exists():
+            refused = "the directory is missing from a run marked complete"
+        if refused is not None:
+            out.damaged.append((folder, refused))
 
 
-def _read_all(path: Path, extra: Sequence[Path], progress: Progress | None) -> tuple[
-        _Streams, dict[Path, Any]]:
-    files = part_files(path)
+def _read_all(path: Path, extra: Sequence[Path], progress: Progress | None, *,
+              complete: bool = False) -> tuple[_Streams, dict[Path, Any]]:
+    out = _Streams()
+    _check_folders(path, complete, out)
+    refused = {f for f, _ in out.damaged}
+    files = {s: ([] if path / s in refused else f) for s, f in part_files(path).items()}
     total = sum(len(v) for v in files.values()) + len(extra)
     done = 0
-    out = _Streams()
     others: dict[Path, Any] = {}
     for stream, paths in [*files.items(), ("", list(extra))]:
         tables = []
+        schema = STREAMS[stream][1] if stream else FINDING_DTYPES
         for file in paths:
             try:
-                table = _read_table(file)
-                if stream and "step" not in table.column_names:
-                    raise _Damaged(f"no 'step' column in {table.column_names}")
+                table = _read_table(path, file)
+                _check_table(table, schema)
             except _Damaged as exc:
                 out.damaged.append((file, str(exc)))
             else:
@@ -116,8 +182,10 @@ def read_streams(path: Path, *, pending: Mapping[str, Sequence[tuple[Any, ...]]]
         for file in files[stream]:
             if file not in known:
                 try:
-                    known[file] = _read_table(file)
+                    known[file] = _read_table(path, file)
+                    _check_table(known[file], STREAMS[stream][1])
                 except _Damaged as exc:
+                    known.pop(file, None)
                     raise CorruptRunError(
                         f"{str(file)!r}, written by this Watcher, can no longer be read ({exc})",
                         path=str(file), recoverable="the other parts") from exc
@@ -208,18 +276,28 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
     except CorruptRunError as exc:
         if not skip_damaged:
             raise
-        damaged.append((run / META_FILE, str(exc.__cause__)))
+        damaged.append((run / META_FILE, str(exc.__cause__ or exc)))
         meta = {"status": "running", "metadata": {}, "thresholds": {}}
     finished = meta.get("status") == "complete"
     complete = finished and isinstance(meta.get("columns"), dict)
+    specs: dict[str, ColumnSpec] = {}
+    if complete:
+        try:
+            specs = _specs(meta.get("columns"), run / META_FILE)
+        except CorruptRunError as exc:
+            if not skip_damaged:
+                raise
+            damaged.append((run / META_FILE, str(exc)))
+            complete = False  # read the parts as streamed, and diagnose them again
     findings_file = run / FINDINGS_FILE
-    streams, others = _read_all(run, [findings_file] if complete else [], progress)
+    streams, others = _read_all(run, [findings_file] if complete else [], progress,
+                                complete=finished)
     if streams.damaged and not skip_damaged:
         raise _corrupt(run, streams)
     damaged += streams.damaged
     complete = complete and findings_file in others
     thresholds = _thresholds(meta.get("thresholds"))
-    specs = _specs(meta.get("columns")) if complete else {}
+    specs = specs if complete else {}
     frames: dict[str, pd.DataFrame] = {}
     try:
         for stream, tables in streams.tables.items():
@@ -248,8 +326,14 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
                      thresholds, metadata)
 
 
-def _specs(stored: Any) -> dict[str, ColumnSpec]:
-    """Check the column specs of a finished run's JSON file (which is data, not trusted)."""
+def _specs(stored: Any, file: Path) -> dict[str, ColumnSpec]:
+    """Check the column specs of a finished run's JSON file (which is data, not trusted).
+
+    Each frame's spec must list every column of the schema, each with the schema's own dtype:
+    a spec may not turn ``step`` into ``int8`` or ``norm`` into ``object``, and a frame without
+    ``step`` cannot be a run. Columns the schema does not know keep the looser rules of
+    :mod:`graddebug.runs.arrowio`.
+    """
     specs: dict[str, ColumnSpec] = {}
     ok = isinstance(stored, dict) and {"records", "events", "findings"} <= set(stored)
     for name, spec in (stored.items() if ok else ()):
@@ -260,8 +344,22 @@ def _specs(stored: Any) -> dict[str, ColumnSpec]:
             break
         specs[name] = [(c[0], c[1]) for c in spec]
     if not ok:
-        raise CorruptRunError(f"the column specs in {META_FILE} are malformed: {stored!r}",
+        raise CorruptRunError(f"the column specs in {str(file)!r} are malformed: "
+                              f"{reprlib.repr(stored)}", path=str(file),
                               recoverable="the Parquet files, with skip_damaged=True")
+    for name, schema in (("records", RECORD_DTYPES), ("events", EVENT_DTYPES),
+                         ("findings", FINDING_DTYPES)):
+        given = dict(specs[name])
+        for column, dtype in schema.items():
+            wrong = column not in given and column not in _OPTIONAL
+            if column in given and given[column] != dtype:
+                wrong = not (dtype == "object" and given[column] in _TEXT)
+            if wrong:
+                raise CorruptRunError(
+                    f"the column specs in {str(file)!r} do not fit the run format: {name} "
+                    f"column {column!r} is {given.get(column, 'missing')!r} where the schema "
+                    f"has {dtype!r}", path=str(file),
+                    recoverable="the Parquet files, with skip_damaged=True")
     return specs
 
 
