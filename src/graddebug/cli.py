@@ -25,10 +25,15 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import pandas as pd
 from rich.console import Console
-from rich.markup import escape
 
-from graddebug.errors import GradDebugError, MissingFrameworkError
-from graddebug.report.console import frame_table, markdown_table, print_frame
+from graddebug.errors import GradDebugError, MissingFrameworkError, printable
+from graddebug.report.console import (
+    csv_text,
+    frame_table,
+    markdown_table,
+    print_frame,
+    terminal_text,
+)
 
 if TYPE_CHECKING:
     from graddebug.report.report import Report
@@ -56,7 +61,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             "none offers one; install the torch adapter with: pip install graddebug[torch]"
         )
     console.print(
-        f"[bold]graddebug demo[/bold]: {escape(str(report.metadata.get('demo', '')))} "
+        f"[bold]graddebug demo[/bold]: {terminal_text(report.metadata.get('demo', ''))} "
         f"({time.perf_counter() - started:.1f} s)."
     )
     print_frame(console, report.findings(), "Findings", FINDING_COLUMNS)
@@ -149,11 +154,11 @@ def _headline(report: Report, path: str) -> str:
              if run.get("status") == "incomplete" else "complete")
     framework = " ".join(str(meta.get(k)) for k in ("framework", "framework_version")
                          if meta.get(k))
-    facts = ", ".join(escape(str(x)) for x in (
+    facts = ", ".join(terminal_text(x) for x in (
         framework, meta.get("model"), f"{report.frame()['step'].nunique()} recorded steps",
         f"{len(report.summary())} tensors", meta.get("started") and f"started {meta['started']}",
         meta.get("host") and f"on {meta['host']}") if x)
-    return f"[bold]graddebug report[/bold] {escape(path)} ({state})\n{facts}"
+    return f"[bold]graddebug report[/bold] {terminal_text(path)} ({state})\n{facts}"
 
 
 def _report(args: argparse.Namespace, console: Console) -> int:
@@ -174,10 +179,10 @@ def _report(args: argparse.Namespace, console: Console) -> int:
             if update is not None:
                 update(len(stages), len(stages))
         Path(args.html).write_text(page, encoding="utf-8")
-        Console(stderr=True).print(f"wrote {escape(str(args.html))}")
+        Console(stderr=True).print(f"wrote {terminal_text(args.html)}")
     tables = _tables(report, args.top)
     if args.format == "csv":
-        sys.stdout.write(tables[args.table or "findings"].to_csv(index=False))
+        sys.stdout.write(csv_text(tables[args.table or "findings"]))
     elif args.format == "json":
         payload = {"run": report.metadata.get("run"),
                    "metadata": {k: v for k, v in report.metadata.items() if k != "run"},
@@ -189,7 +194,8 @@ def _report(args: argparse.Namespace, console: Console) -> int:
         if args.table:
             sys.stdout.write(markdown_table(tables[args.table]))
         else:
-            sys.stdout.write(f"## graddebug report: `{args.run}`\n\n### Findings by issue\n\n"
+            sys.stdout.write(f"## graddebug report: `{printable(args.run)}`\n\n"
+                             "### Findings by issue\n\n"
                              f"{markdown_table(tables['issues'], ISSUE_COLUMNS)}\n"
                              f"### Worst layers\n\n"
                              f"{markdown_table(tables['worst'], WORST_COLUMNS)}")
@@ -211,7 +217,7 @@ def _compare(args: argparse.Namespace, console: Console) -> int:
     a, b = _load(args, args.run_a), _load(args, args.run_b)
     table = compare_runs(a.summary(), b.summary())
     if args.format == "csv":
-        sys.stdout.write(table.to_csv(index=False))
+        sys.stdout.write(csv_text(table))
     elif args.format == "json":
         payload = {"a": args.run_a, "b": args.run_b, "layers": _json_rows(table)}
         sys.stdout.write(json.dumps(payload, indent=1, allow_nan=False) + "\n")
@@ -221,7 +227,7 @@ def _compare(args: argparse.Namespace, console: Console) -> int:
         styles = ["bold red" if r >= args.flag or r <= 1 / args.flag else ""
                   for r in table["ratio"].fillna(1.0)]
         title = (f"Median gradient norm per tensor, ratio = B / A "
-                 f"(A: {escape(args.run_a)}, B: {escape(args.run_b)}; "
+                 f"(A: {terminal_text(args.run_a)}, B: {terminal_text(args.run_b)}; "
                  f"bold red: a factor of {args.flag:g} or more)")
         console.print(frame_table(table, title, COMPARE_COLUMNS, row_styles=styles))
     return 0
@@ -247,7 +253,9 @@ def _factor(text: str) -> float:
 def _output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "csv", "json", "markdown"), default="text",
                         help="text (default, for people) or machine-readable output on stdout; "
-                             "JSON writes NaN as null and infinities as \"inf\"")
+                             "JSON writes NaN as null and infinities as \"inf\"; CSV text "
+                             "cells that start with = + - @ get a leading ' so that "
+                             "spreadsheets do not run them as formulas")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--progress", dest="progress", action="store_true", default=None,
                        help="always show a progress bar on stderr")
@@ -305,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GradDebugError as exc:
         # The message may hold brackets ("graddebug[torch]") that rich would read as markup.
         Console(stderr=True, width=console.width).print(
-            f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
+            f"[bold red]error:[/bold red] {terminal_text(exc)}", soft_wrap=True)
         return 2
     return code
 

@@ -8,6 +8,7 @@ already catches those keeps working.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 
 __all__ = [
@@ -25,11 +26,43 @@ __all__ = [
     "UnknownNameError",
     "WatcherStateError",
     "close_matches",
+    "printable",
 ]
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+"""Characters a terminal acts on instead of showing: C0 and C1 controls (ESC starts ANSI and OSC
+sequences: a cleared screen, a new window title, a hyperlink), DEL, and the bidirectional
+overrides that make text read differently from how it is stored. Tab and newline stay."""
+
+
+def printable(text: str) -> str:
+    """Return ``text`` with every control character written as a visible escape.
+
+    Layer names, tap names, model class names and run metadata are user strings (or come from a
+    run directory someone else wrote), and graddebug prints them to terminals: ``"\\x1b[2J"``
+    in a layer name would clear the screen. Each such character becomes ``\\xNN`` or
+    ``\\uNNNN``, so the name stays recognisable and nothing is executed. Tab and newline are
+    kept.
+
+    Args:
+        text: Any string.
+
+    Returns:
+        The string, safe to print.
+    """
+    return _CONTROL.sub(lambda m: (f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100
+                                   else f"\\u{ord(m[0]):04x}"), text)
 
 
 class GradDebugError(Exception):
-    """Base class of every error graddebug raises on purpose."""
+    """Base class of every error graddebug raises on purpose.
+
+    Its text never holds a control character (see :func:`printable`): messages quote user
+    strings, and tracebacks go to terminals.
+    """
+
+    def __str__(self) -> str:
+        return printable(super().__str__())
 
 
 class NoAdapterError(GradDebugError, TypeError):
@@ -45,7 +78,7 @@ class UnknownNameError(GradDebugError, LookupError):
 
     def __str__(self) -> str:
         # LookupError subclasses such as KeyError quote their message; keep ours readable.
-        return str(self.args[0]) if self.args else ""
+        return printable(str(self.args[0])) if self.args else ""
 
 
 class MaskShapeError(GradDebugError, ValueError):
@@ -92,7 +125,14 @@ class CorruptRunError(RunFileError):
 
 
 class GradDebugWarning(UserWarning):
-    """Warns once about a problem inside graddebug that was recorded instead of raised."""
+    """Warns once about a problem inside graddebug that was recorded instead of raised.
+
+    Its text never holds a control character (see :func:`printable`): ``warnings`` prints
+    ``str()`` of it to stderr.
+    """
+
+    def __str__(self) -> str:
+        return printable(super().__str__())
 
 
 def close_matches(name: str, candidates: Iterable[str], limit: int = 3) -> str:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from graddebug.errors import ConfigError
+from graddebug.errors import ConfigError, printable
 
 if TYPE_CHECKING:
     from graddebug.capture.watcher import Watcher
@@ -280,7 +280,7 @@ class GradDebugFixture:
         if parts:
             pytest.fail(
                 "graddebug --graddebug-strict: the gradients of this test have findings.\n"
-                + "\n\n".join(parts),
+                + printable("\n\n".join(parts)),  # model class names are user strings too
                 pytrace=False,
             )
 

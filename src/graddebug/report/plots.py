@@ -20,7 +20,12 @@ from graddebug.records import Kind, Severity
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["MAX_HEATMAP_STEPS", "figure_png", "flow_figure", "heatmap_figure"]
+__all__ = ["MAX_HEATMAP_STEPS", "USER_TEXT", "figure_png", "flow_figure", "heatmap_figure"]
+
+USER_TEXT: dict[str, Any] = {"parse_math": False, "usetex": False}
+"""Text properties of every label drawn from a user string (layer, tensor and tap names):
+``$`` would start mathtext (``"cost$x"`` raises ``ValueError`` when drawn), and under
+``rcParams["text.usetex"]`` the name would be fed to LaTeX. Names are drawn as they are."""
 
 MAX_HEATMAP_STEPS = 800
 """Above this many recorded steps, the heatmap averages log10 norms over bins of steps."""
@@ -107,7 +112,7 @@ def flow_figure(records: pd.DataFrame, findings: pd.DataFrame) -> Figure:
     ax.set_xticks(x)
     ax.set_xticklabels([_label(*k) for k in zip(rows["layer"], rows["tensor"], rows["kind"],
                                                 strict=True)],
-                       rotation=90, fontsize=7 if len(rows) > 30 else 8)
+                       rotation=90, fontsize=7 if len(rows) > 30 else 8, **USER_TEXT)
     flagged = set(findings["layer"])
     for tick, layer in zip(ax.get_xticklabels(), rows["layer"], strict=True):
         if layer in flagged:
@@ -186,7 +191,7 @@ def heatmap_figure(records: pd.DataFrame, findings: pd.DataFrame,
     labels = [_label(*k) for k in zip(rows["layer"], rows["tensor"], rows["kind"], strict=True)]
     every = max(1, len(labels) // 60)
     ax.set_yticks(np.arange(0, len(labels), every))
-    ax.set_yticklabels(labels[::every], fontsize=7 if len(labels) > 30 else 8)
+    ax.set_yticklabels(labels[::every], fontsize=7 if len(labels) > 30 else 8, **USER_TEXT)
     ticks = np.arange(0, n_cols, max(1, int(np.ceil(n_cols / 10))))
     ax.set_xticks(ticks)
     ax.set_xticklabels([str(int(edges[t])) for t in ticks])

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from graddebug.errors import ConfigError, close_matches
+from graddebug.errors import ConfigError, close_matches, printable
 from graddebug.frames import format_cell
 from graddebug.records import FINDING_COLUMNS, Issue
 
@@ -124,7 +124,8 @@ def unignored(findings: pd.DataFrame, rules: Sequence[IgnoreRule]) -> pd.DataFra
 
 
 def _cell(value: object) -> str:
-    text = " ".join(format_cell(value).split())  # one line per finding, whatever it holds
+    # One line per finding, whatever it holds; no control character reaches the terminal.
+    text = " ".join(printable(format_cell(value)).split())
     return text or "-"
 
 
@@ -137,6 +138,7 @@ def findings_table(findings: pd.DataFrame, max_rows: int = MAX_ROWS) -> str:
 
     Returns:
         The table, without a trailing newline; ``"no findings"`` when the frame is empty.
+        Control characters in cells are escaped (:func:`graddebug.errors.printable`).
     """
     if findings.empty:
         return "no findings"
@@ -182,4 +184,4 @@ def assert_healthy(report: Report, ignore: Iterable[str] | str = (), **threshold
         notes.append("thresholds " + ", ".join(f"{k}={v!r}" for k, v in thresholds.items()))
     if notes:
         head += " (" + "; ".join(notes) + ")"
-    raise AssertionError(f"{head}:\n{findings_table(remaining)}")
+    raise AssertionError(printable(f"{head}:\n{findings_table(remaining)}"))
