@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib.metadata
-import numbers
 import os
 import platform
 import socket
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
     from graddebug.adapter import WatchOptions
@@ -32,7 +33,7 @@ def _describe(value: Any) -> Any:
     """A JSON-friendly account of an option value (tensors and callables by their type)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, numbers.Number) and hasattr(value, "item"):
+    if isinstance(value, np.generic):
         return value.item()  # numpy scalars (every=np.int64(5)) are stored as numbers
     if isinstance(value, type):
         return _qualname(value)
