@@ -254,20 +254,3 @@ def test_the_live_reader_refuses_a_planted_link(tmp_path: Path) -> None:
             dbg.frame()
         os.unlink(part(tmp_path / "run", 5))
 
-
-@pytest.mark.parametrize("name", ["killed", "saved_nan", "streamed"])
-def test_runs_of_graddebug_0_1_0_still_load_exactly(name: str) -> None:
-    data = Path(__file__).parent / "data" / "runs_v1"
-    expected = json.loads((data / f"{name}.expected.json").read_text())
-    loaded = graddebug.load(data / name)
-    assert loaded.metadata["run"]["status"] == expected["status"]
-    assert loaded.metadata["run"]["damaged"] == []
-    for frame_name, frame in (("frame", loaded.frame()), ("events", loaded.events()),
-                              ("findings", loaded.findings())):
-        spec = expected[frame_name]
-        assert list(frame.columns) == spec["columns"]
-        assert {c: str(t) for c, t in frame.dtypes.items()} == expected["dtypes"][frame_name]
-        want = pd.DataFrame(spec["data"], columns=spec["columns"], dtype=object)
-        want = want.astype(expected["dtypes"][frame_name])
-        pd.testing.assert_frame_equal(frame, want, check_exact=False, rtol=1e-9,
-                                      obj=f"{name} {frame_name}")
