@@ -90,6 +90,16 @@ def test_floor_names_where_the_gradient_collapses_and_where_it_is_restored() -> 
     assert "3 layer(s)" in message
 
 
+def test_tiny_layers_interleaved_with_healthy_ones_name_no_source() -> None:
+    # Residual branches scaled down by design (ConvNeXt's layer scale) alternate with the
+    # trunk in forward order: depth neighbours are not graph neighbours.
+    norms = [1.0, 1e-9, 1.2, 2e-9, 0.9, 1e-9, 1.1, 1.0]
+    found = diagnose([r for s in range(3) for r in chain(s, norms)])
+    assert list(found["layer"]) == ["l1"]
+    assert "restored" not in found["message"].item()
+    assert "vanishingly small" in found["message"].item()
+
+
 def test_a_huge_jump_names_its_source_once() -> None:
     # A weight 1e6 too large at l4: every layer below it gets a 1e6-times larger gradient.
     norms = [1.2e6, 1.1e6, 1.3e6, 1e6, 1.0, 1.1]

@@ -59,9 +59,9 @@ def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     worst, first = float(worst_row["norm"]), int(per_layer["step"].min())
     steps, total = int(big["step"].nunique()), evidence.clean_steps()
     norms = evidence.layer_norms()
-    jump = find_jump(profile(norms[norms["step"] == first]), True,
-                     thresholds.source_share)
-    if jump is not None and jump.layer not in per_layer.index:
+    step_rows = profile(norms[norms["step"] == first])
+    jump = find_jump(step_rows, True, thresholds.source_share)
+    if jump is not None and _explains(jump.layer, step_rows, set(per_layer.index)):
         victims = len(per_layer)
         message = (
             f"gradient explodes in the backward of {jump.layer!r}: the gradient at its input "
@@ -81,6 +81,15 @@ def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     return [finding(Issue.EXPLODING, Severity.WARNING, per_layer.loc[worst_layer, "step"],
                     worst_layer, message, tensor=worst_row["tensor"], value=worst,
                     threshold=limit)]
+
+
+def _explains(source: str, step_rows: pd.DataFrame, big: set[str]) -> bool:
+    """Whether the layers over the limit are exactly those upstream of ``source``."""
+    layers = [str(layer) for layer in step_rows["layer"]]
+    if source not in layers:
+        return False
+    at = layers.index(source)
+    return set(layers[:at]) <= big and not big & set(layers[at:])
 
 
 def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:

@@ -114,16 +114,24 @@ def _floor(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
 
 def _collapse(medians: pd.DataFrame, share: float,
               low: pd.DataFrame) -> tuple[Jump | None, Jump | None]:
-    # Both are judged on the per-layer median over steps, the statistic the floor compares.
     """Where the median gradient collapses towards the tiny layers, and where, below them,
-    it is restored, each when one layer accounts for most of it."""
-    usable = medians[np.isfinite(medians["rms"]) & (medians["rms"] > 0)]
+    it is restored, each when one layer accounts for most of it.
+
+    Both are judged on the per-layer median over steps, the statistic the floor compares,
+    and claimed only when the tiny layers are exactly those between them in forward order. A
+    residual network interleaves its branches in that order; where tiny layers alternate
+    with healthy ones (ConvNeXt's branches, scaled by 1e-6 at initialisation), neighbours in
+    depth are not neighbours in the graph, and no single layer is named.
+    """
+    usable = medians[np.isfinite(medians["rms"]) & (medians["rms"] > 0)].reset_index(drop=True)
     collapse = find_jump(usable, grow=False, share=share)
-    if collapse is None:
+    if collapse is None or collapse.layer in low.index:
         return None, None
-    if collapse.layer in low.index:
-        return collapse, None  # the collapse is inside the tiny layers, not above them
-    depth = dict(zip(usable["layer"], usable["depth"], strict=True))
-    below = usable[usable["depth"] <= depth[collapse.below]]
-    recovery = find_jump(below, grow=True, share=share) if len(below) >= 2 else None
+    tiny = usable["layer"].isin(set(low.index)).to_numpy()
+    position = {str(layer): i for i, layer in enumerate(usable["layer"])}
+    end = position[collapse.below]
+    recovery = find_jump(usable.iloc[: end + 1], grow=True, share=share) if end >= 1 else None
+    start = position[recovery.layer] if recovery is not None else 0
+    if not tiny[start:end + 1].all() or tiny.sum() != end + 1 - start:
+        return None, None
     return collapse, recovery
