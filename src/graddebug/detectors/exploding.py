@@ -127,8 +127,8 @@ def _depth_message(trend: DepthTrend, total: int, limit: float) -> str:
             f"large does this. {_ADVICE}"
         )
     return (
-        f"gradient explodes at {trend.named!r}, the layer farthest from the loss, and grows "
-        f"layer by layer towards it: {scope}. {_ADVICE}"
+        f"gradient explodes at {trend.named!r}: the gradient grows layer by layer towards "
+        f"it, the layer farthest from the loss; {scope}. {_ADVICE}"
     )
 
 

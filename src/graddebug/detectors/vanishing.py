@@ -57,8 +57,8 @@ def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
         )
     else:
         message = (
-            f"gradient vanishes at {trend.named!r}, the layer farthest from the loss, and "
-            f"shrinks layer by layer towards it: {scope}. {_ADVICE}"
+            f"gradient vanishes at {trend.named!r}: the gradient shrinks layer by layer "
+            f"towards it, the layer farthest from the loss; {scope}. {_ADVICE}"
         )
     return [
         finding(
