@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from graddebug.detectors import Evidence
-
 __all__ = ["DepthTrend", "Jump", "depth_trend", "find_jump", "profile"]
 
 
@@ -77,14 +75,14 @@ def profile(norms: pd.DataFrame) -> pd.DataFrame:
     return usable
 
 
-def depth_trend(evidence: Evidence, fires: pd.Series, flags: pd.Series, rows: pd.DataFrame,
-                grow: bool, share: float) -> DepthTrend:
+def depth_trend(flags: pd.Series, rows: pd.DataFrame, grow: bool, share: float) -> DepthTrend:
     """Collect what a depth-ratio rule found.
 
+    A step shows the problem when its first layer is flagged; the layers flagged in those
+    steps take part in it.
+
     Args:
-        evidence: The run's evidence.
-        fires: Per row of ``rows``: the step shows the problem (judged on its first layer).
-        flags: Per row of ``rows``: the layer takes part in it.
+        flags: Per row of ``rows``: the layer's ratio and gain cross the rule's thresholds.
         rows: :func:`profile` of the run.
         grow: True for exploding (larger ratios are worse), False for vanishing.
         share: The part of the change one layer must account for to be named its source.
@@ -92,8 +90,7 @@ def depth_trend(evidence: Evidence, fires: pd.Series, flags: pd.Series, rows: pd
     Returns:
         The trend; empty ``victims`` when the rule never fired.
     """
-    del evidence
-    fired_steps = rows.loc[fires & (rows["pos"] == 0), "step"]
+    fired_steps = rows.loc[flags & (rows["pos"] == 0), "step"]
     if fired_steps.empty:
         return DepthTrend()
     fired = rows["step"].isin(set(fired_steps))

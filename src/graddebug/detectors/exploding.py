@@ -96,7 +96,7 @@ def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     limit, gain = thresholds.exploding_ratio, thresholds.exploding_gain
     rows = profile(evidence.layer_norms())
     flags = (rows["ratio"] > limit) & (rows["gain"] > gain)
-    trend = depth_trend(evidence, flags, flags, rows, grow=True,
+    trend = depth_trend(flags, rows, grow=True,
                         share=thresholds.source_share)
     if not trend.victims:
         return []

@@ -38,7 +38,7 @@ def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     rows = profile(evidence.layer_norms())
     flags = ((rows["ratio"] < ratio_t) & (rows["norm"] < first_t)
              & (rows["gain"] < thresholds.vanishing_gain))
-    trend = depth_trend(evidence, flags, flags, rows, grow=False,
+    trend = depth_trend(flags, rows, grow=False,
                         share=thresholds.source_share)
     if not trend.victims:
         return []
