@@ -179,7 +179,8 @@ def test_a_deep_sigmoid_net_is_reported_vanishing_from_its_first_layer() -> None
 def test_watch_options_reach_the_watcher() -> None:
     torch.manual_seed(0)
     report = check(relu_mlp(depth=4, width=16), data(), F.cross_entropy, layers=["0", "6"],
-                   outputs=False, thresholds={"exploding_ratio": 0.001})
+                   outputs=False,
+                   thresholds={"exploding_ratio": 0.001, "exploding_gain": 0.001})
     assert set(report.frame()["layer"]) == {"0", "6"}
     assert set(report.frame()["kind"]) == {"parameter"}
     assert report.thresholds.exploding_ratio == 0.001

@@ -14,12 +14,14 @@ from graddebug.records import Finding
 from graddebug.report.verdict import findings_table
 
 FLAT = [0.5, 0.8, 1.3, 2.0, 0.9, 1.0]
-# By the vanishing rule (ratio to the last layer < 1e-3 and norm < 1e-4): l0, l1, l2.
+# By the vanishing rule (ratio to the last layer < 1e-3 and norm < 1e-4): l0, l1, l2, named
+# in one finding at l0, the farthest from the loss.
 VANISHING = [1e-9, 1e-7, 1e-5, 1e-2, 0.5, 1.0]
 
 
-def run(norms: list[float], steps: int = 3) -> Report:
-    rows = [make_record(s, f"l{i}", i, n) for s in range(steps) for i, n in enumerate(norms)]
+def run(norms: list[float], steps: int = 3, dead: str | None = None) -> Report:
+    rows = [make_record(s, f"l{i}", i, n, zero_frac=0.9 if f"l{i}" == dead else 0.0)
+            for s in range(steps) for i, n in enumerate(norms)]
     records, events = record_frame(rows), event_frame([])
     return Report(records, events, diagnose(records, events, Thresholds()),
                   thresholds=Thresholds())
@@ -33,26 +35,31 @@ def test_a_healthy_run_passes_and_a_stricter_threshold_fails_it() -> None:
     report = run(FLAT)
     assert report.findings().empty
     report.assert_healthy()
-    # The first/last ratio is 0.5 here: below 1.5 that is "exploding".
+    # The first/last ratio is 0.5 here, 0.87 per layer: below 0.4 and 0.8 that is "exploding".
     with pytest.raises(AssertionError, match="exploding"):
-        report.assert_healthy(exploding_ratio=0.4)
+        report.assert_healthy(exploding_ratio=0.4, exploding_gain=0.8)
     assert report.findings().empty  # thresholds= never changes the Report
 
 
 def test_the_message_is_a_table_naming_step_layer_issue_and_message() -> None:
-    report = run(VANISHING)
+    report = run(VANISHING, dead="l4")
     with pytest.raises(AssertionError) as error:
         report.assert_healthy()
     lines = table_lines(error)
-    assert lines[0] == "graddebug found 3 problems in the gradients:"
+    assert lines[0] == "graddebug found 2 problems in the gradients:"
     header = lines[1]
     assert header.split() == ["step", "layer", "tensor", "issue", "severity", "value",
                               "threshold", "message"]
     assert set(lines[2]) == {"-", " "}
     rows = lines[3:]
-    assert len(rows) == 3
-    for layer, row in zip(["l0", "l1", "l2"], rows, strict=True):
+    assert len(rows) == 2
+    assert sorted(row.split()[3] for row in rows) == ["dead", "vanishing"]
+    for row in rows:
         cells = row.split()
+        layer = "l0"
+        if cells[3] == "dead":
+            assert cells[:5] == ["0", "l4", "output", "dead", "warning"]
+            continue
         assert cells[:5] == ["0", layer, "output", "vanishing", "warning"]
         assert f"gradient vanishes at '{layer}'" in row
         # Columns line up under the header, the message last.
@@ -61,15 +68,15 @@ def test_the_message_is_a_table_naming_step_layer_issue_and_message() -> None:
 
 
 def test_ignore_takes_issue_names_and_issue_colon_layer_globs() -> None:
-    report = run(VANISHING)
-    report.assert_healthy(ignore="vanishing")
+    report = run(VANISHING, dead="l4")
+    report.assert_healthy(ignore=("vanishing", "dead"))
     report.assert_healthy(ignore=["*:l?"])
-    report.assert_healthy(ignore=("vanishing:l[0-2]",))
+    report.assert_healthy(ignore=("vanishing:l[0-2]", "dead:l4"))
     with pytest.raises(AssertionError) as error:
-        report.assert_healthy(ignore=("vanishing:l[01]", "dead"))
+        report.assert_healthy(ignore=("vanishing:l[01]", "vanishing:l4"))
     lines = table_lines(error)
-    assert lines[0].startswith("graddebug found 1 problem in the gradients (2 more ignored by")
-    assert [line.split()[1] for line in lines[3:]] == ["l2"]
+    assert lines[0].startswith("graddebug found 1 problem in the gradients (1 more ignored by")
+    assert [line.split()[1] for line in lines[3:]] == ["l4"]
     # An issue that is not present but exists is fine; the glob is case-sensitive.
     with pytest.raises(AssertionError):
         report.assert_healthy(ignore=("exploding", "*:L*"))
@@ -109,7 +116,8 @@ def test_thresholds_are_rediagnosed_and_unknown_ones_raise() -> None:
     with pytest.raises(AssertionError) as error:
         report.assert_healthy(vanishing_ratio=1e-6)
     assert "thresholds vanishing_ratio=1e-06" in table_lines(error)[0]
-    assert [line.split()[1] for line in table_lines(error)[3:]] == ["l0", "l1"]
+    assert [line.split()[1] for line in table_lines(error)[3:]] == ["l0"]
+    assert "2 layer(s)" in table_lines(error)[3]  # l0 and l1, counted in one finding
     with pytest.raises(ConfigError, match="unknown threshold 'vanishing_rate'"):
         report.assert_healthy(vanishing_rate=1e-3)
 

@@ -103,7 +103,7 @@ def test_a_healthy_model_passes_and_a_vanishing_one_fails_naming_the_layer(
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         "*_ test_vanishing _*",
-        "E *AssertionError: graddebug found * problems in the gradients:",
+        "E *AssertionError: graddebug found * problem* in the gradients:",
         "E *step  layer  tensor  issue      severity  value     threshold  message",
         "E *0     fc0    output  vanishing  warning   *  0.001      gradient vanishes at 'fc0': *",
     ])

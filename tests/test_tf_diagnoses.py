@@ -188,3 +188,23 @@ def test_fit_stops_on_nonfinite_and_names_the_layer():
     assert len(history.history["loss"]) == 1
     assert "'log'" in callback.stop_reason
     assert "forward" in callback.stop_reason
+
+
+@pytest.mark.slow
+def test_efficientnet_b0_at_initialisation_gives_no_finding():
+    # Its stem's activation gradient has 1,000 times the entries of the 1000-wide head's, and
+    # a norm 2,700 times larger; per entry it is 480 times larger, spread over 230 layers.
+    keras.utils.set_random_seed(0)
+    model = keras.applications.EfficientNetB0(weights=None, input_shape=(64, 64, 3))
+    x = np.random.default_rng(0).standard_normal((2, 64, 64, 3)).astype(np.float32)
+    y = np.array([3, 7])
+    with graddebug.watch(model) as dbg:
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = keras.losses.SparseCategoricalCrossentropy()(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            dbg.step(grads)
+    frame = dbg.frame()
+    acts = frame[(frame["kind"] == "activation") & (frame["step"] == 0)].sort_values("depth")
+    assert acts["norm"].iloc[0] / acts["norm"].iloc[-1] > 70  # the old norm ratio fired
+    assert dbg.findings().empty, dbg.findings()["message"].tolist()

@@ -228,3 +228,121 @@ def test_functional_code_cut_is_named_at_the_detached_tap() -> None:
     starved = found[found["severity"] == "warning"]
     assert list(starved["layer"]) == ["x"]
     assert starved["message"].item().startswith("parameter 'x' requires a gradient")
+
+
+# -- findings name the source, not the victims --------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    """conv-BN-ReLU twice, global pooling and a Linear head, like a tiny ResNet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1, stride=2)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.relu2 = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu2(self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x))))))
+        return self.fc(self.pool(x).flatten(1))
+
+
+class PreNormBlock(nn.Module):
+    """x + proj(act(fc(ln(x)))): a transformer MLP block."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.act(self.fc(self.ln(x))))
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, d: int = 16, blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(PreNormBlock(d) for _ in range(blocks))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))
+
+
+def xent_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 3):
+    with graddebug.watch(model) as dbg:
+        for _ in range(steps):
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            dbg.step()
+    return dbg
+
+
+def test_a_huge_last_layer_weight_is_named_as_the_source_of_the_explosion() -> None:
+    torch.manual_seed(0)
+    model = SmallCNN()
+    with torch.no_grad():
+        model.fc.weight.mul_(1e6)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    # Independently: below fc every gradient is huge, at fc's output it is not.
+    feats = model.relu2(model.bn2(model.conv2(model.relu1(model.bn1(model.conv1(x))))))
+    logits = model.fc(model.pool(feats).flatten(1))
+    g_feats, g_logits = torch.autograd.grad(nn.functional.cross_entropy(logits, y),
+                                            [feats, logits])
+    assert g_feats.norm() > 1e4 > 1 > g_logits.norm()
+    found = xent_steps(model, x, y).findings()
+    assert list(found["issue"]) == ["exploding"]  # one finding, not one per victim
+    assert found["layer"].item() == "fc"
+    message = found["message"].item()
+    assert "in the backward of 'fc'" in message and "the output of 'pool'" in message
+    assert "7 layer(s) below it" in message  # conv1 .. pool, counted
+
+
+def test_a_huge_projection_is_named_where_the_gradient_vanishes_behind_it() -> None:
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    with torch.no_grad():
+        model.blocks[0].proj.weight.mul_(1e8)
+    x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+    # Independently: the gradient at the projection's output collapses, and its backward
+    # restores it below.
+    inner = model.blocks[0].act(model.blocks[0].fc(model.blocks[0].ln(model.embed(x))))
+    out = model.blocks[0].proj(inner)
+    h = model.blocks[2](model.blocks[1](model.embed(x) + out))
+    g_out, g_inner = torch.autograd.grad(
+        nn.functional.cross_entropy(model.head(model.ln_f(h)), y), [out, inner])
+    assert g_out.norm() < 1e-7 < 1e-2 < g_inner.norm()
+    found = xent_steps(model, x, y).findings()
+    assert list(found["issue"]) == ["vanishing"]
+    assert found["layer"].item() == "blocks.0.proj"
+    message = found["message"].item()
+    assert "backward of 'ln_f'" in message  # where the gradient collapses
+    assert "9 layer(s)" in message
+
+
+def test_no_dead_findings_from_the_victims_of_a_nan() -> None:
+    # NaN is born at "5"; Hardtanh's backward gives NaN inputs a zero gradient, so the layers
+    # below "7" see all-zero gradients: victims, not dead units.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Hardtanh(),
+                          nn.Linear(32, 32), Log(), nn.Linear(32, 32), nn.Hardtanh(),
+                          nn.Linear(32, 4))
+    dbg = watched_training(model, batches(5, (16, 16), classes=4), lr=0.1)
+    frame = dbg.frame()
+    victim = frame.loc[(frame["layer"] == "2") & frame["zero_frac"].notna(), "zero_frac"]
+    assert victim.median() == 1.0  # the victims' gradients really are all zero
+    found = dbg.findings()
+    assert list(found["issue"]) == ["nonfinite"]
+    assert found["layer"].item() == "5"

@@ -44,15 +44,39 @@ class Thresholds:
 
     The README's diagnosis table explains each default and where it comes from.
 
+    The depth-ratio rules compare layers by the root mean square of their gradient entries
+    (``norm / sqrt(numel)``), not by norms: norms of tensors of different sizes differ by the
+    square root of their sizes. A layer is flagged only where the ratio, spread over the layers
+    between it and the last one, is also a steady per-layer factor (``*_gain``): gradients that
+    vanish or explode compound layer by layer, while a healthy network's head, pooling and
+    normalisation change the scale once. Measured with ``benchmarks/calibrate_thresholds.py
+    --zoo`` at initialisation: healthy real networks reach RMS ratios of 477 (Keras
+    EfficientNetB0), 84 (Keras ResNet50) and 42 (a transformers ResNet-50) over 175-236 layers,
+    at most 1.03 per layer, and transformers GPT-2/Llama 7-10 at 1.09-1.11 per layer; the
+    broken scenario-4 networks reach 694-3.6e4 at 1.35-2.6 per layer, and the sigmoid stack
+    1.2e-10 at 0.35 per layer.
+
     Attributes:
-        vanishing_ratio: Vanishing when ``norm(first layer) / norm(last layer)`` falls below this
-            (AUTOTRAINER's depth ratio, 1e-3) ...
-        vanishing_first: ... and the first layer's norm is also below this (AUTOTRAINER, 1e-4).
+        vanishing_ratio: Vanishing when ``rms(first layer) / rms(last layer)`` falls below
+            this (AUTOTRAINER's depth ratio, 1e-3) ...
+        vanishing_first: ... and the first layer's norm is also below this (AUTOTRAINER, 1e-4)
+            ...
+        vanishing_gain: ... and the ratio is at most this factor per layer in between
+            (``ratio ** (1 / layers)``; 0.8: the sigmoid stack is at 0.35; healthy networks
+            reach 0.79-0.89 per layer, but none a ratio below 0.03).
         vanishing_floor: Vanishing when a layer's median norm over steps is positive but below
             this (the TorchLens/DeepDiagnosis absolute rule, 1e-7).
         exploding_norm: Exploding when a gradient norm exceeds this (TorchLens, 1e4).
-        exploding_ratio: Exploding when ``norm(first) / norm(last)`` exceeds this
-            (AUTOTRAINER, 70).
+        exploding_ratio: Exploding when ``rms(first) / rms(last)`` exceeds this
+            (AUTOTRAINER, 70) ...
+        exploding_gain: ... and the ratio is at least this factor per layer in between (1.15:
+            about the geometric middle between the 1.03 of healthy networks whose ratio
+            exceeds 70 and the 1.35 of the mildest broken one).
+        source_share: A finding names one layer as the source of a jump or collapse when its
+            backward alone accounts for at least this part of the change, in log scale,
+            between the last layer and the most extreme one (0.5: a weight a million times
+            too large accounts for nearly all of it; a sigmoid layer in a stack of twelve for
+            a twelfth). Otherwise it names the layer farthest from the loss.
         growth_factor: Exploding when the smoothed total gradient norm grows by more than this
             factor from the first window of steps to a later one (100).
         growth_window: Steps per smoothing window for the growth rule; the rule needs at least
@@ -64,9 +88,12 @@ class Thresholds:
 
     vanishing_ratio: float = 1e-3
     vanishing_first: float = 1e-4
+    vanishing_gain: float = 0.8
     vanishing_floor: float = 1e-7
     exploding_norm: float = 1e4
     exploding_ratio: float = 70.0
+    exploding_gain: float = 1.15
+    source_share: float = 0.5
     growth_factor: float = 100.0
     growth_window: int = 5
     dead_fraction: float = 0.7

@@ -19,7 +19,7 @@ import pandas as pd
 
 from graddebug.frames import finding_frame
 from graddebug.plugins import get_plugin_manager
-from graddebug.records import Finding, Issue, Kind, Severity
+from graddebug.records import EventKind, Finding, Issue, Kind, Severity
 
 if TYPE_CHECKING:
     import pluggy
@@ -71,6 +71,30 @@ class Evidence:
     _norms: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
+    def nonfinite_steps(self) -> frozenset[int]:
+        """Steps where some gradient or some layer output held NaN or Inf."""
+        records, events = self.records, self.events
+        steps: set[Any] = set()
+        if len(records):
+            steps |= set(records.loc[records["nan"] | records["inf"], "step"])
+        if len(events):
+            steps |= set(events.loc[events["event"] == EventKind.FORWARD_NONFINITE.value, "step"])
+        return frozenset(int(s) for s in steps)
+
+    @functools.cached_property
+    def clean(self) -> pd.DataFrame:
+        """The records of the steps that stayed finite.
+
+        Once a NaN or Inf appears, every gradient behind it is poisoned or zeroed (a NaN
+        compares false with every threshold, and an optimizer step with it ruins the weights):
+        the ``nonfinite`` finding names its origin, and the magnitude, depth, growth and dead
+        rules read only these rows, so the victims of a NaN are not reported again.
+        """
+        if not self.nonfinite_steps:
+            return self.records
+        return self.records[~self.records["step"].isin(self.nonfinite_steps)]
+
+    @functools.cached_property
     def basis(self) -> str:
         """The kind that depth-ordered rules compare: layer outputs when they were captured,
         else parameters."""
@@ -78,14 +102,21 @@ class Evidence:
         return Kind.ACTIVATION.value if Kind.ACTIVATION.value in kinds else Kind.PARAMETER.value
 
     def layer_norms(self, kind: str | None = None) -> pd.DataFrame:
-        """Per (step, layer): the layer's gradient norm, pooled over its tensors of ``kind``.
+        """Per finite step and layer: the layer's gradient norm, pooled over its tensors of
+        ``kind``, and its size-normalised norm.
+
+        ``rms`` is ``norm / sqrt(numel)``, the root mean square of the gradient's entries. Norms
+        of tensors of different sizes are not comparable: the norm of a 112x112x32 activation
+        gradient and that of a 1000-wide logit gradient differ by the square root of their
+        sizes even when every entry has the same magnitude. Rules that compare layers with
+        each other compare ``rms``; absolute rules keep the published ``norm``.
 
         Args:
             kind: ``"activation"`` or ``"parameter"``; None for :attr:`basis`.
 
         Returns:
-            Columns ``step, layer, depth, norm``, sorted by step then depth. Layers whose
-            depth is unknown (-1) are left out.
+            Columns ``step, layer, depth, norm, rms``, sorted by step then depth. Layers whose
+            depth is unknown (-1) and steps in :attr:`nonfinite_steps` are left out.
         """
         kind = kind or self.basis
         if kind not in self._norms:
@@ -93,19 +124,28 @@ class Evidence:
         return self._norms[kind]
 
     def _layer_norms(self, kind: str) -> pd.DataFrame:
-        rows = self.records[(self.records["kind"] == kind) & (self.records["depth"] >= 0)]
+        records = self.clean
+        rows = records[(records["kind"] == kind) & (records["depth"] >= 0)]
         pooled = (
-            rows.assign(_sq=rows["norm"] ** 2)
-            .groupby(["step", "layer"], sort=False)
-            .agg(depth=("depth", "min"), _sq=("_sq", "sum"))
+            rows.assign(_sq=rows["norm"].to_numpy(dtype=float) ** 2,
+                        _n=rows["numel"].to_numpy(dtype=float))
+            .groupby(["step", "layer"], sort=False, observed=True)
+            .agg(depth=("depth", "min"), _sq=("_sq", "sum"), _n=("_n", "sum"))
             .reset_index()
         )
-        pooled["norm"] = np.sqrt(pooled.pop("_sq"))
+        squares, sizes = pooled.pop("_sq").to_numpy(), pooled.pop("_n").to_numpy()
+        pooled["norm"] = np.sqrt(squares)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            pooled["rms"] = np.where(sizes > 0, np.sqrt(squares / np.maximum(sizes, 1)), np.nan)
         return pooled.sort_values(["step", "depth"], kind="stable").reset_index(drop=True)
 
     def steps(self) -> int:
         """Number of recorded steps."""
         return int(self.records["step"].nunique())
+
+    def clean_steps(self) -> int:
+        """Number of recorded steps that stayed finite."""
+        return int(self.clean["step"].nunique())
 
 
 def as_int(value: Any) -> int:

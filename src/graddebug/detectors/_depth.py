@@ -1,68 +1,131 @@
-"""The depth-ratio rule shared by the vanishing and exploding detectors."""
+"""What the vanishing and exploding detectors share: the depth-ratio rule, evaluated for all
+steps at once, and the search for the layer where the gradient jumps or collapses."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 
-from graddebug.detectors import Evidence, as_int
+__all__ = ["DepthTrend", "Jump", "depth_trend", "find_jump", "profile"]
 
-__all__ = ["DepthHit", "depth_ratio_hits"]
+
+@dataclass(frozen=True)
+class Jump:
+    """Where one layer's backward changed the gradient most.
+
+    Attributes:
+        layer: The layer across whose backward the change happened (the deeper of the pair).
+        below: The layer just upstream of it in forward order: its input's producer.
+        gain: ``rms(below) / rms(layer)``: above 1 the gradient grew, below 1 it shrank.
+    """
+
+    layer: str
+    below: str
+    gain: float
 
 
 @dataclass
-class DepthHit:
-    """Where a layer crossed the depth-ratio rule, across steps."""
+class DepthTrend:
+    """The layers a depth-ratio rule flagged over a run, and what explains them.
 
-    layer: str
-    first_step: int
-    worst: float
-    last_layer: str
+    Attributes:
+        victims: Flagged layer -> its worst ratio to the last layer, in depth order.
+        steps: Number of steps in which the rule fired.
+        first_step: The first of those steps.
+        last_layer: The deepest layer, the one every ratio compares with.
+        jump: The single layer that accounts for most of the change, if one does.
+    """
+
+    victims: dict[str, float] = field(default_factory=dict)
     steps: int = 0
+    first_step: int = -1
+    last_layer: str = ""
+    jump: Jump | None = None
+
+    @property
+    def named(self) -> str:
+        """The layer the finding names: the jump's source, else the farthest victim."""
+        return self.jump.layer if self.jump is not None else next(iter(self.victims))
 
 
-def depth_ratio_hits(
-    evidence: Evidence,
-    fires: Callable[[float, float], bool],
-    flags: Callable[[float, float], bool],
-    worse: Callable[[float, float], bool],
-) -> dict[str, DepthHit]:
-    """Apply a first/last-layer rule per step and collect the layers it flags.
+def profile(norms: pd.DataFrame) -> pd.DataFrame:
+    """Usable rows of ``Evidence.layer_norms()`` (finite, positive ``rms``) with, per step,
+    each layer's position, the step's layer count and its ratio to the last layer.
 
-    Per step, layers are taken in depth order with finite, positive norms. ``first`` is the
-    shallowest, ``last`` the deepest.
+    The ratio's ``gain`` is its geometric mean per layer in between:
+    ``(rms / rms_last) ** (1 / layers_between)``. Exploding and vanishing gradients compound
+    layer by layer, so a real trend shows up as a per-layer factor away from 1, while a
+    healthy deep network's head, pooling and normalisation change the scale once, by a factor
+    that, spread over its depth, stays close to 1.
+    """
+    rms = norms["rms"].to_numpy(dtype=float)
+    rows = norms[np.isfinite(rms) & (rms > 0)].copy()
+    by_step = rows.groupby("step", sort=False)
+    rows["pos"] = by_step.cumcount()
+    rows["count"] = by_step["rms"].transform("size")
+    rows["ratio"] = rows["rms"] / by_step["rms"].transform("last")
+    between = (rows["count"] - 1 - rows["pos"]).to_numpy(dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rows["gain"] = np.where(between > 0, rows["ratio"] ** (1.0 / np.maximum(between, 1)),
+                                1.0)
+    usable: pd.DataFrame = rows[rows["count"] >= 2]
+    return usable
+
+
+def depth_trend(flags: pd.Series, rows: pd.DataFrame, grow: bool, share: float) -> DepthTrend:
+    """Collect what a depth-ratio rule found.
+
+    A step shows the problem when its first layer is flagged; the layers flagged in those
+    steps take part in it.
 
     Args:
-        evidence: The run's evidence.
-        fires: ``fires(ratio, first_norm)``: whether the step shows the problem at all.
-        flags: ``flags(layer_ratio, layer_norm)``: whether a layer takes part in it.
-        worse: ``worse(a, b)``: whether ratio ``a`` is worse than ``b``.
+        flags: Per row of ``rows``: the layer's ratio and gain cross the rule's thresholds.
+        rows: :func:`profile` of the run.
+        grow: True for exploding (larger ratios are worse), False for vanishing.
+        share: The part of the change one layer must account for to be named its source.
 
     Returns:
-        Hits by layer name, in depth order of first appearance.
+        The trend; empty ``victims`` when the rule never fired.
     """
-    hits: dict[str, DepthHit] = {}
-    norms = evidence.layer_norms()
-    for step, rows in norms.groupby("step", sort=True):
-        values = rows["norm"].to_numpy()
-        usable = np.isfinite(values) & (values > 0)
-        if usable.sum() < 2:
-            continue
-        layers = rows["layer"].to_numpy()[usable]
-        values = values[usable]
-        last = float(values[-1])
-        if not fires(float(values[0]) / last, float(values[0])):
-            continue
-        for layer, value in zip(layers[:-1], values[:-1], strict=True):
-            ratio = float(value) / last
-            if not flags(ratio, float(value)):
-                continue
-            hit = hits.get(layer)
-            if hit is None:
-                hit = hits[layer] = DepthHit(str(layer), as_int(step), ratio, str(layers[-1]))
-            elif worse(ratio, hit.worst):
-                hit.worst = ratio
-            hit.steps += 1
-    return hits
+    fired_steps = rows.loc[flags & (rows["pos"] == 0), "step"]
+    if fired_steps.empty:
+        return DepthTrend()
+    fired = rows["step"].isin(set(fired_steps))
+    hits = rows[fired & flags & (rows["pos"] < rows["count"] - 1)]
+    if hits.empty:
+        return DepthTrend()
+    worst = hits.groupby("layer", sort=False).agg(
+        depth=("depth", "min"), worst=("ratio", "max" if grow else "min")
+    ).sort_values("depth", kind="stable")
+    first = int(fired_steps.min())
+    step_rows = rows[rows["step"] == first]
+    return DepthTrend(
+        victims={str(k): float(v) for k, v in worst["worst"].items()},
+        steps=int(fired_steps.nunique()),
+        first_step=first,
+        last_layer=str(step_rows["layer"].iloc[-1]),
+        jump=find_jump(step_rows, grow, share),
+    )
+
+
+def find_jump(step_rows: pd.DataFrame, grow: bool, share: float) -> Jump | None:
+    """The layer whose backward accounts for at least ``share`` of the change (in log scale)
+    between the last layer and the most extreme one, in one step's depth-ordered rows.
+
+    A weight a million times too large multiplies the gradient by about a million in its own
+    backward: the layers below it are victims, and it is the source. A deep sigmoid stack
+    shrinks the gradient by a similar factor at every layer: no layer is the source.
+    """
+    rms = step_rows["rms"].to_numpy(dtype=float)
+    if rms.size < 2:
+        return None
+    steps = np.log(rms[:-1]) - np.log(rms[1:])  # log gain across the backward of layer i+1
+    extreme = np.log(rms.max() if grow else rms.min()) - np.log(rms[-1])
+    at = int(np.argmax(steps) if grow else np.argmin(steps))
+    if extreme == 0 or not math.isfinite(extreme) or steps[at] / extreme < share:
+        return None
+    layers = step_rows["layer"].to_numpy()
+    return Jump(str(layers[at + 1]), str(layers[at]), float(math.exp(steps[at])))

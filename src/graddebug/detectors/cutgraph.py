@@ -85,9 +85,16 @@ def _boundaries(evidence: Evidence) -> list[Finding]:
 
 def _starved(events: pd.DataFrame) -> list[Finding]:
     rows = events[events["event"] == EventKind.NO_GRAD.value]
+    if rows.empty:
+        return []
+    # One pass over every layer (not one filter per layer: 10,000 starved layers took 1 s).
+    per_layer = rows.groupby("layer", sort=False, observed=True).agg(
+        names=("tensor", lambda t: list(dict.fromkeys(t))), first=("step", "min"),
+        steps=("step", "nunique"),
+    )
     out = []
-    for layer, group in rows.groupby("layer", sort=False):
-        names = list(dict.fromkeys(group["tensor"]))
+    for layer, names, first, steps in zip(per_layer.index, per_layer["names"],
+                                          per_layer["first"], per_layer["steps"], strict=True):
         if len(names) == 1:
             label = repr(layer) if names == [layer] else f"{names[0]} of {layer!r}"
             what, verb, pronoun, them = f"parameter {label}", "requires", "it sits", "it"
@@ -96,14 +103,14 @@ def _starved(events: pd.DataFrame) -> list[Finding]:
             verb, pronoun, them = "require", "they sit", "them"
         out.append(
             finding(
-                Issue.CUT_GRAPH, Severity.WARNING, group["step"].min(), layer,
+                Issue.CUT_GRAPH, Severity.WARNING, first, layer,
                 (
-                    f"{what} {verb} a gradient but got none in {group['step'].nunique()} "
+                    f"{what} {verb} a gradient but got none in {steps} "
                     f"step(s): {pronoun} upstream of a cut or the loss does not use {them}. "
                     f"If unused on purpose, freeze {them} "
                     "(requires_grad_(False) / trainable=False)."
                 ),
-                tensor=group["tensor"].iloc[0],
+                tensor=names[0],
             )
         )
     return out

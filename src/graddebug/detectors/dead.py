@@ -10,28 +10,34 @@ from graddebug.records import Finding, Issue, Kind, Severity
 
 @hookimpl
 def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
-    """Flag layers where most units got an all-zero gradient, in the median step."""
-    records = evidence.records
+    """Flag layers where most units got an all-zero gradient, in the median step.
+
+    Steps with a NaN or Inf are left out: the gradients behind one are zeroed or poisoned,
+    and the ``nonfinite`` finding names where it came from.
+    """
+    records = evidence.clean
     if records.empty:
         return []
     rows = records[(records["kind"] == Kind.ACTIVATION.value) & records["zero_frac"].notna()]
     gamma = thresholds.dead_fraction
-    out = []
-    for (layer, tensor), group in rows.groupby(["layer", "tensor"], sort=False):
-        median = float(group["zero_frac"].median())
-        if median < gamma:
-            continue
-        first = int(group.loc[group["zero_frac"] >= gamma, "step"].min())
-        out.append(
-            finding(
-                Issue.DEAD, Severity.WARNING, first, layer,
-                (
-                    f"{median:.0%} of the units of {layer!r} got an all-zero gradient over the "
-                    f"whole batch (median over {group['step'].nunique()} steps): they are dead "
-                    "and stop learning. Try a lower learning rate, LeakyReLU/GELU, He "
-                    "initialisation, or a normalisation layer before the activation."
-                ),
-                tensor=tensor, value=median, threshold=gamma,
-            )
+    grouped = rows.groupby(["layer", "tensor"], sort=False, observed=True)
+    stats = grouped.agg(frac=("zero_frac", "median"), steps=("step", "nunique"))
+    dead = stats[stats["frac"] >= gamma]
+    if dead.empty:
+        return []
+    above = rows[rows["zero_frac"] >= gamma]
+    dead = dead.join(above.groupby(["layer", "tensor"], sort=False, observed=True)["step"].min())
+    return [
+        finding(
+            Issue.DEAD, Severity.WARNING, first, layer,
+            (
+                f"{frac:.0%} of the units of {layer!r} got an all-zero gradient over the "
+                f"whole batch (median over {steps} steps): they are dead "
+                "and stop learning. Try a lower learning rate, LeakyReLU/GELU, He "
+                "initialisation, or a normalisation layer before the activation."
+            ),
+            tensor=tensor, value=frac, threshold=gamma,
         )
-    return out
+        for (layer, tensor), frac, steps, first in zip(
+            dead.index, dead["frac"], dead["steps"], dead["step"], strict=True)
+    ]

@@ -1,15 +1,21 @@
-"""Exploding gradients: absolute magnitude, depth ratio, and growth of the smoothed norm."""
+"""Exploding gradients: absolute magnitude, depth ratio, and growth of the smoothed norm.
+
+Each rule gives at most one finding, which names the source: the layer across whose backward
+the gradient jumps, when one layer accounts for most of the growth (a weight far too large),
+and otherwise the layer farthest from the loss, where growth compounded layer by layer is
+worst. The victims are counted in the message, not listed as findings of their own.
+"""
 
 from __future__ import annotations
 
-import operator
+import warnings
 
 import numpy as np
 import pandas as pd
 
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding, fmt
-from graddebug.detectors._depth import depth_ratio_hits
+from graddebug.detectors._depth import DepthTrend, depth_trend, find_jump, profile
 from graddebug.hookspecs import hookimpl
 from graddebug.records import Finding, Issue, Kind, Severity
 
@@ -22,7 +28,7 @@ _ADVICE = (
 @hookimpl
 def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     """Flag gradients that are huge, that grow with distance from the loss, or over time."""
-    if evidence.records.empty:
+    if evidence.clean.empty:
         return []
     # One finding per layer: the rule that saw it first.
     found: dict[str, Finding] = {}
@@ -34,48 +40,96 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     return list(found.values())
 
 
+def _others(count: int) -> str:
+    return f"{count} other layer(s)" if count != 1 else "1 other layer"
+
+
 def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     limit = thresholds.exploding_norm
-    rows = evidence.records
-    big = rows[np.isfinite(rows["norm"]) & (rows["norm"] > limit)]
-    out = []
-    for (layer, tensor), group in big.groupby(["layer", "tensor"], sort=False):
-        worst = float(group["norm"].max())
-        out.append(
-            finding(
-                Issue.EXPLODING, Severity.WARNING, group["step"].min(), layer,
-                (
-                    f"gradient explodes at {layer!r} ({tensor}): norm up to {fmt(worst)}, above "
-                    f"{limit:g}, in {group['step'].nunique()} of {evidence.steps()} steps. "
-                    f"{_ADVICE}"
-                ),
-                tensor=tensor, value=worst, threshold=limit,
-            )
+    rows = evidence.clean
+    norm = rows["norm"].to_numpy(dtype=float)
+    big = rows[np.isfinite(norm) & (norm > limit)]
+    if big.empty:
+        return []
+    per_layer = big.groupby("layer", sort=False).agg(
+        worst=("norm", "max"), step=("step", "min"), depth=("depth", "min")
+    )
+    worst_layer = str(per_layer["worst"].idxmax())
+    worst_row = big.loc[big["norm"].idxmax()]
+    worst, first = float(worst_row["norm"]), int(per_layer["step"].min())
+    steps, total = int(big["step"].nunique()), evidence.clean_steps()
+    norms = evidence.layer_norms()
+    step_rows = profile(norms[norms["step"] == first])
+    jump = find_jump(step_rows, True, thresholds.source_share)
+    if jump is not None and _explains(jump.layer, step_rows, set(per_layer.index)):
+        victims = len(per_layer)
+        message = (
+            f"gradient explodes in the backward of {jump.layer!r}: the gradient at its input "
+            f"(the output of {jump.below!r}) is {fmt(jump.gain)} times the one at its output "
+            f"(per entry), and {victims} layer(s) below it get gradient norms above "
+            f"{limit:g} (up to {fmt(worst)} at {worst_layer!r}) in {steps} of {total} steps. "
+            f"A weight of {jump.layer!r} far too large does this. {_ADVICE}"
         )
-    return out
+        return [finding(Issue.EXPLODING, Severity.WARNING, first, jump.layer, message,
+                        value=worst, threshold=limit)]
+    others = len(per_layer) - 1
+    also = f"; {_others(others)} exceed it too" if others else ""
+    message = (
+        f"gradient explodes at {worst_layer!r} ({worst_row['tensor']}): norm up to "
+        f"{fmt(worst)}, above {limit:g}, in {steps} of {total} steps{also}. {_ADVICE}"
+    )
+    return [finding(Issue.EXPLODING, Severity.WARNING, per_layer.loc[worst_layer, "step"],
+                    worst_layer, message, tensor=worst_row["tensor"], value=worst,
+                    threshold=limit)]
+
+
+def _explains(source: str, step_rows: pd.DataFrame, big: set[str]) -> bool:
+    """Whether the layers over the limit are exactly those upstream of ``source``."""
+    layers = [str(layer) for layer in step_rows["layer"]]
+    if source not in layers:
+        return False
+    at = layers.index(source)
+    return set(layers[:at]) <= big and not big & set(layers[at:])
 
 
 def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
-    limit = thresholds.exploding_ratio
-    hits = depth_ratio_hits(
-        evidence,
-        fires=lambda ratio, first: ratio > limit,
-        flags=lambda ratio, norm: ratio > limit,
-        worse=operator.gt,
-    )
+    limit, gain = thresholds.exploding_ratio, thresholds.exploding_gain
+    rows = profile(evidence.layer_norms())
+    flags = (rows["ratio"] > limit) & (rows["gain"] > gain)
+    trend = depth_trend(flags, rows, grow=True,
+                        share=thresholds.source_share)
+    if not trend.victims:
+        return []
     return [
         finding(
-            Issue.EXPLODING, Severity.WARNING, hit.first_step, hit.layer,
-            (
-                f"gradient explodes towards the input at {hit.layer!r}: its norm is "
-                f"{fmt(hit.worst)} times that of the last layer {hit.last_layer!r} (threshold "
-                f"{limit:g}) in {hit.steps} of {evidence.steps()} steps. {_ADVICE}"
-            ),
-            tensor="output" if evidence.basis == Kind.ACTIVATION.value else "", value=hit.worst,
-            threshold=limit,
+            Issue.EXPLODING, Severity.WARNING, trend.first_step, trend.named,
+            _depth_message(trend, evidence.clean_steps(), limit),
+            tensor="output" if evidence.basis == Kind.ACTIVATION.value else "",
+            value=max(trend.victims.values()), threshold=limit,
         )
-        for hit in hits.values()
     ]
+
+
+def _depth_message(trend: DepthTrend, total: int, limit: float) -> str:
+    worst_layer = max(trend.victims, key=lambda k: trend.victims[k])
+    worst = trend.victims[worst_layer]
+    count = len(trend.victims)
+    scope = (
+        f"{count} layer(s) have a gradient (root mean square per entry) up to {fmt(worst)} "
+        f"times that of the last layer {trend.last_layer!r} (at {worst_layer!r}; threshold "
+        f"{limit:g}) in {trend.steps} of {total} steps"
+    )
+    if trend.jump is not None:
+        return (
+            f"gradient explodes in the backward of {trend.jump.layer!r}: the gradient at its "
+            f"input (the output of {trend.jump.below!r}) is {fmt(trend.jump.gain)} times the "
+            f"one at its output. Below it, {scope}. A weight of {trend.jump.layer!r} far too "
+            f"large does this. {_ADVICE}"
+        )
+    return (
+        f"gradient explodes at {trend.named!r}: the gradient grows layer by layer towards "
+        f"it, the layer farthest from the loss; {scope}. {_ADVICE}"
+    )
 
 
 def _smoothed_growth(series: pd.Series, window: int) -> tuple[float, int]:
@@ -91,6 +145,30 @@ def _smoothed_growth(series: pd.Series, window: int) -> tuple[float, int]:
     return float(rolling[at]) / base, int(series.index[2 * window - 1 + at])
 
 
+def _layer_growth(norms: pd.DataFrame, window: int) -> tuple[str, float]:
+    """The layer whose smoothed norm grew the most, and by how much: every layer at once.
+
+    The rolling medians of all layers come from one strided view over the steps, not one
+    ``rolling()`` per layer (10,000 layers took 0.7 s that way).
+    """
+    per_layer = norms.pivot_table(index="step", columns="layer", values="norm", sort=True)
+    values = per_layer.to_numpy(dtype=float)
+    if values.shape[0] < 2 * window:
+        return "", 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows of absent layers
+        base = np.nanmedian(values[:window], axis=0)
+        windows = np.lib.stride_tricks.sliding_window_view(values, window, axis=0)
+        rolling = np.nanmedian(windows[window:], axis=-1)  # windows ending at step 2w-1 on
+        peak = np.nanmax(rolling, axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        growth = np.where((base > 0) & np.isfinite(base), peak / base, np.nan)
+    if not np.isfinite(growth).any():
+        return "", 0.0
+    at = int(np.nanargmax(growth))
+    return str(per_layer.columns[at]), float(growth[at])
+
+
 def _growth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     window, factor = thresholds.growth_window, thresholds.growth_factor
     norms = evidence.layer_norms()
@@ -101,13 +179,7 @@ def _growth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     growth, step = _smoothed_growth(total, window)
     if growth <= factor:
         return []
-    # Name the layer whose own smoothed norm grew the most.
-    per_layer = norms.pivot_table(index="step", columns="layer", values="norm")
-    best_layer, best = "", 0.0
-    for layer in per_layer.columns:
-        g, _ = _smoothed_growth(per_layer[layer].dropna(), window)
-        if g > best:
-            best_layer, best = str(layer), g
+    best_layer, best = _layer_growth(norms, window)
     return [
         finding(
             Issue.EXPLODING, Severity.WARNING, step, best_layer,

@@ -1,12 +1,18 @@
-"""Vanishing gradients: AUTOTRAINER's depth ratio, plus TorchLens' absolute floor."""
+"""Vanishing gradients: AUTOTRAINER's depth ratio, plus TorchLens' absolute floor.
+
+Each rule gives at most one finding, which names the layer where the gradient collapses when
+one layer accounts for most of the drop, and otherwise the layer farthest from the loss. The
+victims are counted in the message.
+"""
 
 from __future__ import annotations
 
-import operator
+import numpy as np
+import pandas as pd
 
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding, fmt
-from graddebug.detectors._depth import depth_ratio_hits
+from graddebug.detectors._depth import Jump, depth_trend, find_jump, profile
 from graddebug.hookspecs import hookimpl
 from graddebug.records import Finding, Issue, Kind, Severity
 
@@ -19,50 +25,113 @@ _ADVICE = (
 @hookimpl
 def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     """Flag layers whose gradient is a vanishing fraction of the last layer's, or tiny."""
-    if evidence.records.empty:
+    if evidence.clean.empty:
         return []
+    found = _depth(evidence, thresholds)
+    covered = {f.layer for f in found}
+    floor = _floor(evidence, thresholds)
+    return found + [f for f in floor if f.layer not in covered]
+
+
+def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     ratio_t, first_t = thresholds.vanishing_ratio, thresholds.vanishing_first
-    hits = depth_ratio_hits(
-        evidence,
-        fires=lambda ratio, first: ratio < ratio_t and first < first_t,
-        flags=lambda ratio, norm: ratio < ratio_t and norm < first_t,
-        worse=operator.lt,
+    rows = profile(evidence.layer_norms())
+    flags = ((rows["ratio"] < ratio_t) & (rows["norm"] < first_t)
+             & (rows["gain"] < thresholds.vanishing_gain))
+    trend = depth_trend(flags, rows, grow=False,
+                        share=thresholds.source_share)
+    if not trend.victims:
+        return []
+    worst_layer = min(trend.victims, key=lambda k: trend.victims[k])
+    scope = (
+        f"{len(trend.victims)} layer(s) have a gradient (root mean square per entry) down to "
+        f"{fmt(trend.victims[worst_layer])} times that of the last layer {trend.last_layer!r} "
+        f"(at {worst_layer!r}; threshold {ratio_t:g}) in {trend.steps} of "
+        f"{evidence.clean_steps()} steps"
     )
-    total = evidence.steps()
-    kind = evidence.basis
-    findings = [
-        finding(
-            Issue.VANISHING, Severity.WARNING, hit.first_step, hit.layer,
-            (
-                f"gradient vanishes at {hit.layer!r}: its norm is {fmt(hit.worst)} times that "
-                f"of the last layer {hit.last_layer!r} (threshold {ratio_t:g}) in {hit.steps} "
-                f"of {total} steps. {_ADVICE}"
-            ),
-            tensor="output" if kind == Kind.ACTIVATION.value else "", value=hit.worst,
-            threshold=ratio_t,
+    if trend.jump is not None:
+        message = (
+            f"gradient vanishes in the backward of {trend.jump.layer!r}: the gradient at its "
+            f"input (the output of {trend.jump.below!r}) is {fmt(trend.jump.gain)} times the "
+            f"one at its output. Below it, {scope}. {_ADVICE}"
         )
-        for hit in hits.values()
-    ]
-    findings.extend(_floor(evidence, thresholds, exclude=set(hits)))
-    return findings
-
-
-def _floor(evidence: Evidence, thresholds: Thresholds, exclude: set[str]) -> list[Finding]:
-    norms = evidence.layer_norms()
-    medians = norms.groupby("layer", sort=False).agg(
-        norm=("norm", "median"), step=("step", "min"), depth=("depth", "min")
-    )
-    floor = thresholds.vanishing_floor
-    low = medians[(medians["norm"] > 0) & (medians["norm"] < floor)].sort_values("depth")
+    else:
+        message = (
+            f"gradient vanishes at {trend.named!r}: the gradient shrinks layer by layer "
+            f"towards it, the layer farthest from the loss; {scope}. {_ADVICE}"
+        )
     return [
         finding(
-            Issue.VANISHING, Severity.WARNING, row.step, layer,
-            (
-                f"gradient at {layer!r} is vanishingly small: median norm {fmt(row.norm)} over "
-                f"the recorded steps, below {floor:g}. {_ADVICE}"
-            ),
-            value=row.norm, threshold=floor,
+            Issue.VANISHING, Severity.WARNING, trend.first_step, trend.named, message,
+            tensor="output" if evidence.basis == Kind.ACTIVATION.value else "",
+            value=trend.victims[worst_layer], threshold=ratio_t,
         )
-        for layer, row in low.iterrows()
-        if layer not in exclude
     ]
+
+
+def _floor(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
+    norms = evidence.layer_norms()
+    medians = norms.groupby("layer", sort=False).agg(
+        norm=("norm", "median"), rms=("rms", "median"), step=("step", "min"),
+        depth=("depth", "min"),
+    ).sort_values("depth", kind="stable")
+    floor = thresholds.vanishing_floor
+    low = medians[(medians["norm"] > 0) & (medians["norm"] < floor)]
+    if low.empty:
+        return []
+    smallest = str(low["norm"].idxmin())
+    smallest_norm = float(low["norm"].min())
+    count = len(low)
+    scope = (
+        f"{count} layer(s) get a median gradient norm below {floor:g} over the recorded steps, "
+        f"down to {fmt(smallest_norm)} at {smallest!r}"
+    )
+    collapse, recovery = _collapse(medians.reset_index(), thresholds.source_share, low)
+    if collapse is None:
+        first = str(low.index[0])
+        message = f"gradient at {first!r} is vanishingly small: {scope}. {_ADVICE}"
+        return [finding(Issue.VANISHING, Severity.WARNING, low.loc[first, "step"], first,
+                        message, value=float(low["norm"].min()), threshold=floor)]
+    if recovery is not None:
+        message = (
+            f"gradient collapses {fmt(1 / collapse.gain)}-fold in the backward of "
+            f"{collapse.layer!r} and is restored {fmt(recovery.gain)}-fold in the backward of "
+            f"{recovery.layer!r}. Between them, {scope}. A weight of {recovery.layer!r} far "
+            f"too large does this: its outputs are huge, and the normalisation or saturation "
+            f"at {collapse.layer!r} divides the gradient by as much. Check its initialisation "
+            "and scale."
+        )
+        named = recovery.layer
+    else:
+        message = (
+            f"gradient collapses {fmt(1 / collapse.gain)}-fold in the backward of "
+            f"{collapse.layer!r}. Below it, {scope}. {_ADVICE}"
+        )
+        named = collapse.layer
+    return [finding(Issue.VANISHING, Severity.WARNING, low["step"].min(), named, message,
+                    value=float(low["norm"].min()), threshold=floor)]
+
+
+def _collapse(medians: pd.DataFrame, share: float,
+              low: pd.DataFrame) -> tuple[Jump | None, Jump | None]:
+    """Where the median gradient collapses towards the tiny layers, and where, below them,
+    it is restored, each when one layer accounts for most of it.
+
+    Both are judged on the per-layer median over steps, the statistic the floor compares,
+    and claimed only when the tiny layers are exactly those between them in forward order. A
+    residual network interleaves its branches in that order; where tiny layers alternate
+    with healthy ones (ConvNeXt's branches, scaled by 1e-6 at initialisation), neighbours in
+    depth are not neighbours in the graph, and no single layer is named.
+    """
+    usable = medians[np.isfinite(medians["rms"]) & (medians["rms"] > 0)].reset_index(drop=True)
+    collapse = find_jump(usable, grow=False, share=share)
+    if collapse is None or collapse.layer in low.index:
+        return None, None
+    tiny = usable["layer"].isin(set(low.index)).to_numpy()
+    position = {str(layer): i for i, layer in enumerate(usable["layer"])}
+    end = position[collapse.below]
+    recovery = find_jump(usable.iloc[: end + 1], grow=True, share=share) if end >= 1 else None
+    start = position[recovery.layer] if recovery is not None else 0
+    if not tiny[start:end + 1].all() or tiny.sum() != end + 1 - start:
+        return None, None
+    return collapse, recovery

@@ -26,6 +26,7 @@ from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.outputs import (
     Slot,
+    carry_keras_attributes,
     differentiable,
     intervene,
     is_mask_tensor,
@@ -43,11 +44,15 @@ from graddebug_tensorflow.stats import (
 
 __all__ = ["TensorFlowAdapter"]
 
-try:  # whether a tape records an eager op: skips work for forward passes nobody differentiates
+try:  # whether a tape records an op: skips work for forward passes nobody differentiates
+    from tensorflow.python.eager.record import could_possibly_record as _tape_active
     from tensorflow.python.eager.record import should_record_backprop as _taped
-except ImportError:  # pragma: no cover - older TF: treat every eager output as taped
+except ImportError:  # pragma: no cover - older TF: treat every output as taped
 
     def _taped(tensors: Sequence[Any]) -> bool:
+        return True
+
+    def _tape_active() -> bool:
         return True
 
 
@@ -246,8 +251,15 @@ class TensorFlowAdapter(BaseAdapter):
             if not any(differentiable(t) for t in leaves):
                 return output  # symbolic (KerasTensor) or integer outputs
             eager = tf.executing_eagerly()
-            if eager and not _taped([t for t in leaves if differentiable(t)]):
-                return output  # no tape watches this forward pass
+            # An output no tape watches gets no gradient: nothing will differentiate it (an
+            # eager forward nobody differentiates), or it does not depend on any trainable
+            # variable (a parameter-free first layer such as ZeroPadding2D, traced by ``fit``).
+            # Recording its forward would report it as cut off. In a graph that no tape traces
+            # (``tf.gradients``), nothing says which outputs will be differentiated: watch all.
+            if (eager or _tape_active()) and not _taped(
+                [t for t in leaves if differentiable(t)]
+            ):
+                return output
             if layer.depth < 0:
                 layer.depth = self._take_depth()
             names = leaf_names(output, len(leaves))
@@ -279,7 +291,14 @@ class TensorFlowAdapter(BaseAdapter):
 
             return tf.identity(x), grad
 
-        return identity(tensor)
+        watched = identity(tensor)
+        logits = carry_keras_attributes(tensor, watched)
+        if logits is not None:
+            # Keras losses read a softmax or sigmoid output's logits (``_keras_logits``) and
+            # differentiate those, not the probabilities: the gradient that reaches this layer
+            # flows through the logits, so they pass through the same recording identity.
+            watched._keras_logits = identity(logits)
+        return watched
 
     def _slot(self, layer: LayerSpec, tname: str, eager: bool) -> Slot:
         if eager:

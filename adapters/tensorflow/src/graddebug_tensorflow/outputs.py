@@ -16,6 +16,7 @@ from graddebug_tensorflow.stats import apply_intervention
 
 __all__ = [
     "Slot",
+    "carry_keras_attributes",
     "differentiable",
     "intervene",
     "is_mask_tensor",
@@ -92,3 +93,46 @@ def unit_axis(rank: int | None, channels_first: bool) -> int | None:
     if rank is None or rank < 2:
         return None
     return 1 if channels_first else rank - 1
+
+
+# Keras keeps what it attaches to a tensor (``_keras_mask``, ``_keras_logits``) as an attribute
+# of the tensor object, or, for tensor types that take no attributes, in a side table keyed by
+# ``id(tensor)`` that only these accessors read.
+try:
+    from keras.src.backend.common.tensor_attributes import get_tensor_attr, set_tensor_attr
+except ImportError:  # pragma: no cover - a Keras without the side table: attributes only
+    get_tensor_attr = set_tensor_attr = None
+
+_KERAS_PREFIX = "_keras_"
+_SIDE_TABLE = ("_keras_mask",)  # the attributes Keras may keep in its side table
+
+
+def carry_keras_attributes(source: tf.Tensor, target: tf.Tensor) -> tf.Tensor | None:
+    """Copy every attribute Keras attached to ``source`` onto ``target``, its watched identity.
+
+    Keras reads them downstream: losses compute cross-entropy from ``_keras_logits`` instead
+    of ``log(clip(probabilities))``, and masked losses and metrics read ``_keras_mask``. An
+    identity that dropped them would change the loss, and so the weights.
+
+    Args:
+        source: A layer's output as the layer returned it.
+        target: The tensor that replaces it downstream.
+
+    Returns:
+        ``source._keras_logits`` when it has one, left for the caller to set on ``target``
+        (it must pass through the recording identity too); None otherwise.
+    """
+    logits = None
+    for name, value in list(getattr(source, "__dict__", {}).items()):
+        if not name.startswith(_KERAS_PREFIX) or name == "_keras_history":
+            continue  # _keras_history belongs to symbolic tensors, which are not watched
+        if name == "_keras_logits":
+            logits = value
+        else:
+            setattr(target, name, value)
+    if get_tensor_attr is not None and set_tensor_attr is not None:
+        for name in _SIDE_TABLE:
+            value = get_tensor_attr(source, name)
+            if value is not None and get_tensor_attr(target, name) is None:
+                set_tensor_attr(target, name, value)
+    return logits if isinstance(logits, tf.Tensor) else None

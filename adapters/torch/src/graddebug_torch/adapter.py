@@ -35,6 +35,7 @@ from graddebug_torch.stats import (
     whole_absmax,
 )
 from graddebug_torch.step import Capture, ParamGrad, StepCaptures, gather
+from graddebug_torch.valueflow import ValueFlow, needs_value_flow
 
 __all__ = ["TorchAdapter"]
 
@@ -115,6 +116,9 @@ class TorchAdapter(BaseAdapter):
         self._handles: list[RemovableHandle] = []
         self._state = StepCaptures()
         self._was_training: bool | None = None
+        # The ValueFlows of module calls in progress, and of each module's last finished call.
+        self._flows: dict[int, list[ValueFlow | None]] = {}
+        self._finished: dict[int, ValueFlow | None] = {}
         self._resolve(params)
 
     # -- set-up ----------------------------------------------------------------------------
@@ -162,6 +166,8 @@ class TorchAdapter(BaseAdapter):
         for name, module in self._modules.items():
             hook = functools.partial(self._on_forward, self._layers[name])
             self._handles.append(module.register_forward_hook(hook))
+            if needs_value_flow(module):
+                self._follow_values(name, module)
         for index, param in enumerate(self._params):
             if param.param.requires_grad:
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
@@ -185,6 +191,8 @@ class TorchAdapter(BaseAdapter):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._flows.clear()
+        self._finished.clear()
         self._drop_step()
         if self._model is not None and self._was_training is not None:
             self._model.train(self._was_training)
@@ -282,7 +290,32 @@ class TorchAdapter(BaseAdapter):
             sq = square_sum(grad) if first and dense else None
             state.received[index] = ParamGrad(grad, sq, grad._version)
 
+    def _follow_values(self, name: str, module: nn.Module) -> None:
+        """Follow input values through ``module``'s calls (see :mod:`.valueflow`); the exit
+        hook runs before :meth:`_on_forward`, and also when the forward raises."""
+
+        def enter(module: nn.Module, args: Any, kwargs: Any) -> None:
+            flow = None
+            if self._ctx.recording and torch.is_grad_enabled():
+                with self._fail_open(name):
+                    if _any_requires_grad((args, kwargs)):
+                        flow = ValueFlow((args, kwargs))
+                        flow.__enter__()
+            self._flows.setdefault(id(module), []).append(flow)
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            calls = self._flows.get(id(module))
+            flow = calls.pop() if calls else None
+            self._finished[id(module)] = flow
+            if flow is not None:
+                with self._fail_open(name):
+                    flow.__exit__(None, None, None)
+
+        self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(leave, prepend=True, always_call=True))
+
     def _on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
+        flow = self._finished.pop(id(module), None)
         ctx = self._ctx
         if not ctx.recording or not torch.is_grad_enabled():
             if layer.intervention is not None:  # keep unrecorded steps free of work otherwise
@@ -298,7 +331,11 @@ class TorchAdapter(BaseAdapter):
                     continue
                 if layer.capture:
                     self._watch_tensor(layer, tname, tensor)
-                if not tensor.requires_grad and _any_requires_grad(args):
+                if tensor.requires_grad or not _any_requires_grad(args):
+                    continue
+                # Without a ValueFlow the module owns trainable parameters (starved by this
+                # output) or is a torch.nn module, which never drops a gradient on purpose.
+                if flow is None or flow.escaped or flow.marked(tensor):
                     self._state.events.append(
                         Event(ctx.step_index, layer.name, tname, layer.depth,
                               EventKind.DETACHED_OUTPUT.value,

@@ -1,0 +1,119 @@
+"""Whether the values of a module's differentiable inputs flowed into its outputs.
+
+A module whose output needs no gradient although its input needs one has cut the graph only if
+that output was computed from the input's values: ``x.detach() * 2``, a ``no_grad`` block, a
+numpy round trip. A rotary or sinusoidal position table, an attention mask or an ``arange``
+reads the input only for its shape, dtype or device; its output needs no gradient by design.
+Nothing in a finished forward tells the two apart (``x.detach() * 2`` and ``cos(positions)``
+are both plain tensors), so :class:`ValueFlow` follows the values while the module runs: a
+``TorchFunctionMode`` marks every tensor computed from a marked one, starting from the inputs
+that require a gradient. Reading only metadata (``size``, ``dtype``, ``zeros_like``) marks
+nothing. Values that leave torch (``.numpy()``, ``.tolist()``, ``.item()``) may come back from
+anywhere, so after that every output counts as derived.
+
+The mode runs only inside modules that could cut without owning a trainable parameter of
+their own (parameter-free modules defined outside ``torch.nn``); other modules never need it,
+so the cost stays off the common path.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["ValueFlow", "needs_value_flow"]
+
+# Functions that read a tensor's metadata, not its values.
+_METADATA: frozenset[Any] = frozenset({
+    Tensor.size, Tensor.dim, Tensor.numel, Tensor.stride, Tensor.element_size,
+    Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, Tensor.__len__,
+    Tensor.dtype.__get__, Tensor.shape.__get__, Tensor.device.__get__,  # type: ignore[attr-defined]
+    Tensor.ndim.__get__, Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+    Tensor.is_cuda.__get__, Tensor.layout.__get__,  # type: ignore[attr-defined]
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
+    torch.randn_like, torch.randint_like,
+    Tensor.new_zeros, Tensor.new_ones, Tensor.new_empty, Tensor.new_full,
+})
+# Functions through which values leave torch, to come back as untracked tensors.
+_ESCAPES: frozenset[Any] = frozenset({
+    Tensor.numpy, Tensor.tolist, Tensor.item, Tensor.__array__, Tensor.__float__,
+    Tensor.__int__, Tensor.__index__, Tensor.__bool__,
+})
+
+
+def needs_value_flow(module: nn.Module) -> bool:
+    """Whether a no-gradient output of ``module`` needs :class:`ValueFlow` to be judged.
+
+    A module with a trainable parameter of its own whose output needs no gradient has starved
+    that parameter: a cut whatever the values did. Modules of ``torch.nn`` compute from their
+    inputs' values or pass them on, and never detach.
+    """
+    if type(module).__module__.startswith("torch."):
+        return False
+    return not any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def _tensors(value: Any) -> Iterable[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class ValueFlow(TorchFunctionMode):
+    """Follows the values of the differentiable inputs of one module call.
+
+    Args:
+        inputs: The module's positional and keyword arguments.
+    """
+
+    def __init__(self, inputs: Any) -> None:
+        super().__init__()
+        self._marked: dict[int, weakref.ref[Tensor]] = {}
+        self.escaped = False
+        for tensor in _tensors(inputs):
+            if tensor.requires_grad:
+                self._mark(tensor)
+
+    def _mark(self, tensor: Tensor) -> None:
+        self._marked[id(tensor)] = weakref.ref(tensor)
+
+    def marked(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` was computed from a differentiable input's values."""
+        ref = self._marked.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def derived(self, output: Any) -> bool:
+        """Whether any floating output tensor that needs no gradient carries input values."""
+        return any(
+            tensor.is_floating_point() and not tensor.requires_grad
+            and (self.escaped or self.marked(tensor))
+            for tensor in _tensors(output)
+        )
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _METADATA or not self._marked:
+            return result
+        if not any(self.marked(t) for t in _tensors((args, kwargs))):
+            return result
+        if func in _ESCAPES:
+            self.escaped = True
+            return result
+        for tensor in _tensors(result):
+            self._mark(tensor)
+        name = getattr(func, "__name__", "")
+        if args and isinstance(args[0], Tensor) and (name.endswith("_") or name == "__setitem__"):
+            self._mark(args[0])  # written in place with marked values
+        return result
