@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from graddebug.adapter import WatchOptions
 from graddebug.capture.layers import parse_interventions
-from graddebug.errors import ConfigError
+from graddebug.errors import ConfigError, MissingFrameworkError
 
-__all__ = ["build_options"]
+__all__ = ["build_options", "check_tensorboard"]
 
 
 def _as_list(value: Any) -> list[Any] | None:
@@ -55,3 +58,23 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
         optimizer=optimizer,
         every=every,
     )
+
+
+def check_tensorboard(tensorboard: Any) -> Path | None:
+    """Check ``watch(tensorboard=...)``: a directory path, with tensorboardX installed.
+
+    Raises:
+        ConfigError: ``tensorboard`` is not a path.
+        MissingFrameworkError: tensorboardX is not installed.
+    """
+    if tensorboard is None:
+        return None
+    if not isinstance(tensorboard, (str, os.PathLike)) or not str(tensorboard):
+        raise ConfigError(f"tensorboard={tensorboard!r} must be a directory path.")
+    # Checked here rather than at the first recorded step, so a missing package fails at once.
+    if importlib.util.find_spec("tensorboardX") is None:
+        raise MissingFrameworkError(
+            "watch(tensorboard=...) writes TensorBoard event files with tensorboardX, which is "
+            "not installed: pip install graddebug[tensorboard]"
+        )
+    return Path(tensorboard)
