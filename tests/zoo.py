@@ -156,7 +156,8 @@ TORCH_CASES: tuple[TorchCase, ...] = (
               "vit.embeddings.patch_embeddings.projection", "classifier"),
     TorchCase("t5", "encoder-decoder", _t5,
               lambda: {"input_ids": _ids((4, 8)), "labels": _ids((4, 6), seed=3)},
-              "encoder.block.0.layer.0.SelfAttention.q", "decoder.block.1.layer.2.DenseReluDense.wo"),
+              "encoder.block.0.layer.0.SelfAttention.q",
+              "decoder.block.1.layer.2.DenseReluDense.wo"),
     TorchCase("whisper", "encoder-decoder (speech)", _whisper,
               lambda: {"input_features": _floats((4, 8, 32)), "labels": _ids((4, 6), seed=3)},
               "model.encoder.conv1", "model.decoder.layers.0.fc2"),
@@ -271,21 +272,26 @@ class KerasCase:
     Attributes:
         name: The application (``"ResNet50"``).
         size: Input height and width.
-        early: A layer near the input, checked against ``tape.gradient``.
-        late: A layer near the output.
+        early: A layer near the input: its kernel and output are checked against
+            ``tape.gradient``.
+        late: A layer near the output: its kernel is checked.
+        late_output: A layer near the output whose output is checked (the softmax output of
+            ``predictions`` is not on the loss's path: Keras computes the cross-entropy from
+            the logits it carries).
     """
 
     name: str
     size: int
     early: str
     late: str
+    late_output: str
     family: str = "CNN (Keras applications)"
 
 
 KERAS_CASES: tuple[KerasCase, ...] = (
-    KerasCase("ResNet50", 32, "conv1_conv", "predictions"),
-    KerasCase("MobileNetV2", 32, "Conv1", "predictions"),
-    KerasCase("EfficientNetB0", 32, "stem_conv", "predictions"),
+    KerasCase("ResNet50", 32, "conv1_conv", "predictions", "conv5_block3_out"),
+    KerasCase("MobileNetV2", 32, "Conv1", "predictions", "out_relu"),
+    KerasCase("EfficientNetB0", 32, "stem_conv", "predictions", "top_activation"),
 )
 KERAS_BY_NAME = {case.name: case for case in KERAS_CASES}
 KERAS_CLASSES = 5
@@ -329,6 +335,95 @@ def keras_data(case: KerasCase, steps: int = STEPS) -> tuple[Any, Any]:
 def keras_layer_calls(model: Any) -> dict[str, Any]:
     """Each layer's own ``call`` attribute (None when it has none): what cleanup restores."""
     return {layer.name: vars(layer).get("call") for layer in model._flatten_layers()}
+
+
+@dataclass
+class KerasRun:
+    """A finished Keras run: the model, its weights after training, its Watcher (None
+    unwatched), each layer's own ``call`` before and after, and the step times in seconds."""
+
+    model: Any
+    weights: list[Any]
+    watcher: Any
+    calls_before: dict[str, Any]
+    calls_after: dict[str, Any]
+    times: list[float]
+
+
+def train_keras(case: KerasCase, *, mode: str, watch: bool, steps: int = STEPS,
+                mutate: Callable[[Any], None] | None = None) -> KerasRun:
+    """Train the application from its seeded init, with ``fit`` or an eager tape loop.
+
+    Args:
+        case: The application.
+        mode: ``"fit"`` (graph mode; watched through ``dbg.callback()``) or ``"tape"`` (an
+            eager ``GradientTape`` loop; watched through ``dbg.step(grads)``).
+        watch: Run inside ``graddebug.watch(model)``.
+        steps: Batches (one epoch).
+        mutate: Applied to the model before training (the broken variants).
+    """
+    import keras
+    import tensorflow as tf
+
+    import graddebug
+
+    keras_setup()
+    model = build_keras(case)
+    if mutate is not None:
+        mutate(model)
+    x, y = keras_data(case, steps)
+    calls = keras_layer_calls(model)
+    times: list[float] = []
+    context = graddebug.watch(model) if watch else contextlib.nullcontext()
+    with context as dbg:
+        if mode == "fit":
+            class Timer(keras.callbacks.Callback):
+                def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+                    self.start = time.perf_counter()
+
+                def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                    times.append(time.perf_counter() - self.start)
+
+            callbacks = [Timer()] + ([dbg.callback()] if dbg is not None else [])
+            model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, shuffle=False, verbose=0,
+                      callbacks=callbacks)
+        else:
+            opt, loss_fn = model.optimizer, model.loss
+            for i in range(steps):
+                xb = tf.constant(x[i * KERAS_BATCH:(i + 1) * KERAS_BATCH])
+                yb = tf.constant(y[i * KERAS_BATCH:(i + 1) * KERAS_BATCH])
+                start = time.perf_counter()
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(yb, model(xb, training=True))
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+                if dbg is not None:
+                    dbg.step(grads)
+                times.append(time.perf_counter() - start)
+    return KerasRun(model, model.get_weights(), dbg, calls, keras_layer_calls(model), times)
+
+
+def keras_reference(case: KerasCase) -> dict[tuple[str, str], float]:
+    """Norms of the first tape step's gradients by ``tape.gradient``, without graddebug:
+    the early and late kernels, and the early and ``late_output`` layer outputs."""
+    import keras
+    import tensorflow as tf
+
+    keras_setup()
+    model = build_keras(case)
+    x, y = keras_data(case)
+    probe = keras.Model(model.inputs, [model.get_layer(case.early).output,
+                                       model.get_layer(case.late_output).output,
+                                       model.output])
+    kernels = [model.get_layer(case.early).kernel, model.get_layer(case.late).kernel]
+    with tf.GradientTape() as tape:
+        early, late, out = probe(tf.constant(x[:KERAS_BATCH]), training=True)
+        loss = model.loss(tf.constant(y[:KERAS_BATCH]), out)
+    grads = tape.gradient(loss, [*kernels, early, late])
+    keys = [(case.early, "kernel"), (case.late, "kernel"), (case.early, "output"),
+            (case.late_output, "output")]
+    return {key: float(tf.norm(tf.cast(g, tf.float64))) for key, g in zip(keys, grads,
+                                                                        strict=True)}
 
 
 # -- timing and reporting ------------------------------------------------------------------------
