@@ -37,14 +37,26 @@ sys.path.insert(0, str(ROOT / "tests"))  # the zoo's model definitions live with
 import zoo  # noqa: E402
 
 
-def _findings_summary(findings: Any) -> str:
-    """``none``, or ``issue at layer`` per (issue, layer), most frequent first."""
-    if findings.empty:
-        return "none"
-    counts = findings.groupby(["issue", "layer"]).size().sort_values(ascending=False)
-    parts = [f"{issue} at `{layer}`" for (issue, layer), _ in counts.items()]
-    more = f" (+{len(parts) - 3} more)" if len(parts) > 3 else ""
-    return "; ".join(parts[:3]) + more
+def _by_issue(findings: Any) -> dict[str, list[str]]:
+    """The layers of each issue's findings, in the order the findings come."""
+    issues: dict[str, list[str]] = {}
+    for issue, layer in zip(findings["issue"], findings["layer"], strict=True):
+        layers = issues.setdefault(str(issue), [])
+        if layer not in layers:
+            layers.append(str(layer))
+    return issues
+
+
+def _findings_summary(issues: dict[str, list[str]], count: int) -> str:
+    """``0``, or the count with each issue's first layers: ``3: cut_graph at `a`; ...``."""
+    if not count:
+        return "0"
+    parts = []
+    for issue, layers in issues.items():
+        shown = ", ".join(f"`{layer}`" for layer in layers[:2])
+        more = f" and {len(layers) - 2} more" if len(layers) > 2 else ""
+        parts.append(f"{issue} at {shown}{more}")
+    return f"{count}: " + "; ".join(parts)
 
 
 def _measure(run: Callable[[bool], Any], rounds: int) -> tuple[Any, float, float, float]:
@@ -94,8 +106,7 @@ def measure_all(frameworks: list[str], rounds: int, steps: int) -> list[dict[str
 def _row(model: str, framework: str, family: str, findings: Any, plain: float,
          watched: float, ratio: float) -> dict[str, Any]:
     return {"model": model, "framework": framework, "family": family,
-            "findings_at_init": len(findings),
-            "findings": _findings_summary(findings),
+            "findings_at_init": len(findings), "issues": _by_issue(findings),
             "plain_ms": round(plain, 2), "watched_ms": round(watched, 2),
             "overhead": round(ratio, 3)}
 
@@ -105,8 +116,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | framework | family | findings at init | step time plain → watched |",
              "|---|---|---|---|---|"]
     for r in rows:
-        found = "0" if r["findings_at_init"] == 0 else (
-            f"{r['findings_at_init']}: {r['findings']}")
+        found = _findings_summary(r["issues"], r["findings_at_init"])
         lines.append(f"| {r['model']} | {r['framework']} | {r['family']} | {found} | "
                      f"{r['plain_ms']:.1f} → {r['watched_ms']:.1f} ms ({r['overhead']:.2f}×) |")
     return "\n".join(lines) + "\n"
@@ -121,14 +131,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=zoo.STEPS + 2,
                         help="SGD steps per run (the first is not timed)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: on a shared 2-core machine, "
+                             "two threads wait on each other's stragglers and the times scatter)")
     args = parser.parse_args(argv)
+    if "torch" in args.frameworks:
+        import torch
+
+        torch.set_num_threads(args.threads)
     rows = measure_all(args.frameworks, args.rounds, args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
     (args.out / "zoo.md").write_text(table, encoding="utf-8")
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": platform.platform(), "cpus": os.cpu_count(), "rounds": args.rounds,
-            "steps": args.steps}
+            "steps": args.steps, "torch_threads": args.threads}
     (args.out / "zoo.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1),
                                        encoding="utf-8")
     print(table)

@@ -278,6 +278,8 @@ class KerasCase:
         late_output: A layer near the output whose output is checked (the softmax output of
             ``predictions`` is not on the loss's path: Keras computes the cross-entropy from
             the logits it carries).
+        preprocess: The ``keras.applications`` module whose ``preprocess_input`` the images
+            go through, as the application's documentation asks.
     """
 
     name: str
@@ -285,13 +287,15 @@ class KerasCase:
     early: str
     late: str
     late_output: str
+    preprocess: str
     family: str = "CNN (Keras applications)"
 
 
 KERAS_CASES: tuple[KerasCase, ...] = (
-    KerasCase("ResNet50", 32, "conv1_conv", "predictions", "conv5_block3_out"),
-    KerasCase("MobileNetV2", 32, "Conv1", "predictions", "out_relu"),
-    KerasCase("EfficientNetB0", 32, "stem_conv", "predictions", "top_activation"),
+    KerasCase("ResNet50", 32, "conv1_conv", "predictions", "conv5_block3_out", "resnet50"),
+    KerasCase("MobileNetV2", 32, "Conv1", "predictions", "out_relu", "mobilenet_v2"),
+    KerasCase("EfficientNetB0", 32, "stem_conv", "predictions", "top_activation",
+              "efficientnet"),
 )
 KERAS_BY_NAME = {case.name: case for case in KERAS_CASES}
 KERAS_CLASSES = 5
@@ -322,12 +326,17 @@ def build_keras(case: KerasCase) -> Any:
 
 
 def keras_data(case: KerasCase, steps: int = STEPS) -> tuple[Any, Any]:
-    """``steps`` batches of images (0-255, as the applications expect) and labels."""
+    """``steps`` batches of images (0-255 pixels through the application's
+    ``preprocess_input``) and labels."""
+    import importlib
+
     import numpy as np
 
     rng = np.random.default_rng(SEED)
     n = steps * KERAS_BATCH
     x = rng.uniform(0, 255, (n, case.size, case.size, 3)).astype("float32")
+    module = importlib.import_module(f"keras.applications.{case.preprocess}")
+    x = np.asarray(module.preprocess_input(x), dtype="float32")
     y = rng.integers(0, KERAS_CLASSES, (n,)).astype("int64")
     return x, y
 
