@@ -86,8 +86,8 @@ def _browser() -> str:
                 "CI installs it and runs this test")
 
 
-@pytest.mark.slow
-def test_a_real_browser_renders_the_page(tmp_path: Path, page: str) -> None:
+def _screenshot(tmp_path: Path, page: str, width: int, height: int) -> np.ndarray:
+    """Render ``page`` in headless chromium; return the screenshot's RGB pixels."""
     browser = _browser()
     html = tmp_path / "report.html"
     html.write_text(page, encoding="utf-8")
@@ -96,13 +96,19 @@ def test_a_real_browser_renders_the_page(tmp_path: Path, page: str) -> None:
         [browser, "--headless", "--no-sandbox", "--disable-gpu",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-         f"--screenshot={shot}", "--window-size=1200,1600", html.as_uri()],
+         f"--screenshot={shot}", f"--window-size={width},{height}", html.as_uri()],
         capture_output=True, text=True, timeout=120,
     )
+    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
     assert done.returncode == 0, done.stderr[-2000:]
     from matplotlib.image import imread
 
-    pixels = imread(shot)[..., :3]
+    return imread(shot)[..., :3]
+
+
+@pytest.mark.slow
+def test_a_real_browser_renders_the_page(tmp_path: Path, page: str) -> None:
+    pixels = _screenshot(tmp_path, page, 1200, 1600)
     assert pixels.shape[:2] == (1600, 1200)
     non_white = np.any(pixels < 0.95, axis=-1).mean()
     colours = len(np.unique((pixels * 255).astype(np.uint8).reshape(-1, 3), axis=0))
@@ -112,4 +118,52 @@ def test_a_real_browser_renders_the_page(tmp_path: Path, page: str) -> None:
     lower = pixels[800:]
     viridis_like = (lower[..., 2] > lower[..., 0] + 0.15) & (lower[..., 1] > 0.2)
     assert viridis_like.mean() > 0.02
-    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+
+
+# -- the notebook view (_repr_html_) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def notebook() -> str:
+    return runs.report(runs.records(layers=LAYERS, nan_at=(5, EVIL)))._repr_html_()
+
+
+def test_notebook_view_lists_findings_and_a_flow_plot(notebook: str) -> None:
+    assert "<script" not in notebook and EVIL not in notebook
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in notebook
+    assert "12 recorded step(s), 8 tensor(s)" in notebook
+    assert '<tr class="error">' in notebook and "<td>nonfinite</td>" in notebook
+    (data,) = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', notebook)
+    assert base64.b64decode(data).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_notebook_view_of_a_healthy_run_has_no_table() -> None:
+    view = runs.healthy()._repr_html_()
+    assert "no finding: the gradients look healthy" in view
+    assert "<table" not in view and "data:image/png" in view
+
+
+def test_a_watcher_shows_the_run_so_far() -> None:
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    with graddebug.watch(model) as dbg:
+        assert "0 recorded step(s)" in dbg._repr_html_()
+        model(torch.randn(2, 3)).sum().backward()
+        dbg.step()
+        view = dbg._repr_html_()
+    assert "1 recorded step(s), 7 tensor(s)" in view
+    assert "data:image/png" in view
+
+
+@pytest.mark.slow
+def test_a_real_browser_renders_the_notebook_view(tmp_path: Path, notebook: str) -> None:
+    page = f'<!DOCTYPE html><html><head><meta charset="utf-8"></head><body>{notebook}</body></html>'
+    pixels = _screenshot(tmp_path, page, 900, 700)
+    assert pixels.shape[:2] == (700, 900)
+    non_white = np.any(pixels < 0.95, axis=-1).mean()
+    colours = len(np.unique((pixels * 255).astype(np.uint8).reshape(-1, 3), axis=0))
+    assert non_white > 0.04, f"only {non_white:.1%} of the view is not white"
+    assert colours > 100, f"only {colours} distinct colours: the plot did not render"
+    # the flow plot's blue activation line and band are on screen
+    blue = pixels[..., 2] > pixels[..., 0] + 0.1
+    assert blue.mean() > 0.003

@@ -180,6 +180,11 @@ def _report(args: argparse.Namespace, console: Console) -> int:
                 update(len(stages), len(stages))
         Path(args.html).write_text(page, encoding="utf-8")
         Console(stderr=True).print(f"wrote {terminal_text(args.html)}")
+    if args.tensorboard is not None:
+        from graddebug.integrations.tensorboard import write_report
+
+        write_report(report, args.tensorboard)
+        Console(stderr=True).print(f"wrote TensorBoard events to {terminal_text(args.tensorboard)}")
     tables = _tables(report, args.top)
     if args.format == "csv":
         sys.stdout.write(csv_text(tables[args.table or "findings"]))
@@ -288,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how many worst layers to list (default 10)")
     report.add_argument("--html", metavar="OUT.html", default=None,
                         help="also write a self-contained HTML report with the plots")
+    report.add_argument("--tensorboard", metavar="DIR", default=None,
+                        help="also write TensorBoard event files to DIR: per-tensor norms as "
+                             "scalars, log10 norms over layers as histograms")
     report.set_defaults(func=_report)
 
     compare = sub.add_parser(

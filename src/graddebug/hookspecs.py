@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from graddebug.adapter import AdapterFactory
+    from graddebug.adapter import AdapterFactory, StepResult, WatchContext
     from graddebug.config import Thresholds
     from graddebug.detectors import Evidence
     from graddebug.records import Finding
@@ -73,4 +73,40 @@ def graddebug_demo(steps: int, seed: int) -> Report | None:
     Returns:
         The :class:`graddebug.Report` of the run, whose ``metadata["demo"]`` describes the
         model and the data in a sentence; or None to let another plugin answer.
+    """
+
+
+@hookspec
+def graddebug_step_recorded(watcher: WatchContext, step: int, result: StepResult) -> None:
+    """Receive the records of one recorded step, as soon as the Watcher has stored them.
+
+    Implemented by loggers that stream a run elsewhere while it trains: the built-in
+    TensorBoard writer (:mod:`graddebug.integrations.tensorboard`), or a third-party plugin
+    for wandb or MLflow. Called once per recorded step (``every=`` skips the others), from the
+    code that closes the step (``dbg.step()``, the optimizer given to ``watch``, or a
+    training callback), so an implementation should be quick and keep no tensor.
+
+    An exception raised by an implementation fails open, as a bug in graddebug's own hooks
+    does: it becomes an ``internal_error`` finding plus one warning, and training goes on
+    (``strict=True`` raises it instead). Implementations after the failing one are skipped
+    for that step.
+
+    Args:
+        watcher: The Watcher that recorded the step (``watcher.tensorboard`` and its other
+            public attributes say how it was configured).
+        step: The step's index.
+        result: The step's records (one :class:`graddebug.records.Record` per tensor), its
+            structural events and its kept gradients.
+    """
+
+
+@hookspec
+def graddebug_run_finished(watcher: WatchContext) -> None:
+    """Learn that a Watcher's ``with`` block has ended (normally or by an exception).
+
+    Implemented by the same loggers as :func:`graddebug_step_recorded`, to flush and close
+    what they opened. Errors fail open in the same way.
+
+    Args:
+        watcher: The Watcher whose run ended; its frames and findings stay readable.
     """

@@ -32,6 +32,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "graddebug.detectors.nonfinite",
     "graddebug.detectors.cutgraph",
     "graddebug.detectors.dead",
+    "graddebug.integrations.tensorboard",
 )
 """Built-in plugins, registered before any installed one (modules imported by name)."""
 

@@ -7,8 +7,10 @@ into the run's JSON file (``every``, ``flush_every``) are stored as plain Python
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -16,10 +18,10 @@ import numpy as np
 from graddebug.adapter import WatchOptions
 from graddebug.capture.layers import parse_interventions
 from graddebug.config import as_number
-from graddebug.errors import ConfigError
+from graddebug.errors import ConfigError, MissingFrameworkError
 from graddebug.runs.layout import check_run_path
 
-__all__ = ["build_options", "check_flag", "check_log_dir"]
+__all__ = ["build_options", "check_flag", "check_log_dir", "check_tensorboard"]
 
 
 def _as_list(option: str, value: Any, example: str) -> list[Any] | None:
@@ -117,3 +119,23 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
         optimizer=optimizer,
         every=every,
     )
+
+
+def check_tensorboard(tensorboard: Any) -> Path | None:
+    """Check ``watch(tensorboard=...)``: a directory path, with tensorboardX installed.
+
+    Raises:
+        ConfigError: ``tensorboard`` is not a path.
+        MissingFrameworkError: tensorboardX is not installed.
+    """
+    if tensorboard is None:
+        return None
+    if not isinstance(tensorboard, (str, os.PathLike)) or not str(tensorboard):
+        raise ConfigError(f"tensorboard={tensorboard!r} must be a directory path.")
+    # Checked here rather than at the first recorded step, so a missing package fails at once.
+    if importlib.util.find_spec("tensorboardX") is None:
+        raise MissingFrameworkError(
+            "watch(tensorboard=...) writes TensorBoard event files with tensorboardX, which is "
+            "not installed: pip install graddebug[tensorboard]"
+        )
+    return Path(tensorboard)

@@ -16,7 +16,7 @@ from graddebug.config import Thresholds
 from graddebug.detectors import diagnose
 from graddebug.errors import WatcherStateError
 from graddebug.frames import summary_frame
-from graddebug.report.report import Report
+from graddebug.report.report import Report, notebook_html
 
 __all__ = ["RunResults"]
 
@@ -84,6 +84,10 @@ class RunResults:
             thresholds=self.thresholds,
             metadata={**self._describe()[0], **(metadata or {})},
         )
+
+    def _repr_html_(self) -> str:
+        """The notebook view of the run so far: verdict, findings table, small flow plot."""
+        return notebook_html(self.frame(), self.findings())
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the run so far to the directory ``path``, for :func:`graddebug.load`.

@@ -17,7 +17,7 @@ from graddebug.adapter import Adapter, StepResult
 from graddebug.capture.buffer import RunBuffer
 from graddebug.capture.layers import Intervention
 from graddebug.capture.metadata import run_metadata
-from graddebug.capture.options import build_options
+from graddebug.capture.options import build_options, check_tensorboard
 from graddebug.capture.results import RunResults
 from graddebug.config import Thresholds
 from graddebug.errors import (
@@ -73,13 +73,15 @@ class Watcher(RunResults):
         log_dir: str | os.PathLike[str] | None = None,
         flush_every: int = DEFAULT_FLUSH_EVERY,
         plugin_manager: pluggy.PluginManager | None = None,
+        tensorboard: str | os.PathLike[str] | None = None,
     ) -> None:
         self._options = build_options(
             params=params, layers=layers, keep=keep, intervene=intervene, every=every,
             outputs=outputs, param_stats=param_stats, optimizer=optimizer,
             flush_every=flush_every, strict=strict, log_dir=log_dir)
-        self.strict = strict
-        self.every = every
+        self.strict = bool(strict)
+        self.every = self._options.every
+        self.tensorboard = check_tensorboard(tensorboard)
         self._model = model
         self._params = params
         super().__init__(RunBuffer(log_dir, flush_every, self._describe, self.internal_error),
@@ -130,6 +132,7 @@ class Watcher(RunResults):
             if adapter is not None:
                 adapter.detach()
             self._buffer.finish(self.findings)
+            self._notify(self._pm.hook.graddebug_run_finished, watcher=self)
         if exc_type is None:
             self._check_unmatched()
 
@@ -279,10 +282,19 @@ class Watcher(RunResults):
                 result = adapter.close_step(self._step, grads, record=recording)
                 if recording:
                     self._buffer.add(self._step, result)
+                    self._notify(self._pm.hook.graddebug_step_recorded, watcher=self,
+                                 step=self._step, result=result)
         finally:
             self._closed = by
         self._step += 1
         return result if recording else None
+
+    def _notify(self, hook: Any, **kwargs: Any) -> None:
+        # A subscriber's bug (a third-party logger) must not stop training: fail open.
+        try:
+            hook(**kwargs)
+        except Exception as exc:
+            self.internal_error(exc, f"{hook.name} plugin")
 
     # -- log_dir --------------------------------------------------------------------------
 
@@ -416,13 +428,17 @@ def watch(model: Any = None, **options: Any) -> Watcher:
             - ``flush_every``: with ``log_dir``, write a part every this many recorded steps
               (default 100; also at least every 30 s).
             - ``plugin_manager``: use this pluggy manager instead of the default one.
+            - ``tensorboard``: a directory to stream TensorBoard event files to while it
+              trains (per-tensor norms as scalars, norms over layers as histograms); needs
+              ``pip install graddebug[tensorboard]``.
 
     Returns:
         A :class:`Watcher`, to be entered with ``with``.
 
     Raises:
         ConfigError: An option has an unusable value, or ``log_dir`` is not a new directory.
-        MissingFrameworkError: ``log_dir`` was given and pyarrow is missing.
+        MissingFrameworkError: ``log_dir`` was given and pyarrow is missing, or
+            ``tensorboard`` was given and tensorboardX is missing.
         NoAdapterError: (on entering) no installed adapter claims ``model``.
         UnknownNameError: (on entering) a ``layers=`` name matches no layer.
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,47 @@ from graddebug.records import Finding, Issue
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["Report"]
+__all__ = ["NOTEBOOK_FINDINGS", "Report", "notebook_html"]
+
+
+NOTEBOOK_FINDINGS = 20
+"""The notebook view lists at most this many findings (``findings()`` has them all)."""
+
+
+def notebook_html(records: pd.DataFrame, findings: pd.DataFrame) -> str:
+    """The HTML fragment a notebook shows for a run: verdict, findings, a small flow plot.
+
+    Args:
+        records: The record frame.
+        findings: The findings frame.
+
+    Returns:
+        An HTML fragment (no scripts, no external resources), every run string escaped.
+    """
+    from graddebug.errors import MissingFrameworkError
+    from graddebug.records import FINDING_COLUMNS, Severity
+    from graddebug.report.html import _table
+
+    steps = records["step"].nunique() if not records.empty else 0
+    errors = int((findings["severity"] == Severity.ERROR.value).sum())
+    tensors = len(records[["layer", "tensor", "kind"]].drop_duplicates())
+    verdict = (f"{errors} error finding(s), {len(findings)} in all" if len(findings)
+               else "no finding: the gradients look healthy")
+    parts = [f"<div><b>graddebug</b>: {steps} recorded step(s), {tensors} tensor(s); "
+             f"{escape(verdict)}.</div>"]
+    if not findings.empty:
+        parts.append(_table(findings, FINDING_COLUMNS, "findings", limit=NOTEBOOK_FINDINGS))
+    if steps:
+        try:
+            from graddebug.report.plots import figure_png, flow_figure
+
+            png = figure_png(flow_figure(records, findings), dpi=72)
+            parts.append(f'<img alt="gradient flow by depth" style="max-width:100%" '
+                         f'src="data:image/png;base64,{png}">')
+        except MissingFrameworkError:
+            parts.append("<p>(the flow plot needs matplotlib: "
+                         "pip install graddebug[report])</p>")
+    return f'<div class="graddebug">{"".join(parts)}</div>'
 
 
 class Report:
@@ -166,6 +207,14 @@ class Report:
         from graddebug.report.verdict import assert_healthy
 
         assert_healthy(self, ignore, **thresholds)
+
+    def _repr_html_(self) -> str:
+        """The notebook view: a one-line verdict, the findings table and a small flow plot.
+
+        Every string from the run is HTML-escaped; without matplotlib the plot is left out
+        and the view says so.
+        """
+        return notebook_html(self._records, self._findings)
 
     def __repr__(self) -> str:
         steps = self._records["step"].nunique() if not self._records.empty else 0

@@ -1,0 +1,230 @@
+"""A Hugging Face ``transformers.Trainer`` callback: watch the model during ``Trainer.train``.
+
+Nothing imports this module unless the user does, so transformers is needed only by those who
+use it::
+
+    from graddebug_torch.transformers import GradDebugCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    callback = GradDebugCallback.attach(trainer, stop_on=("nonfinite",))
+    trainer.train()
+    callback.findings()
+
+A graddebug step closes in ``on_pre_optimizer_step``, once per optimizer step: the gradients
+there are pooled over all micro-batches of ``gradient_accumulation_steps``, already unscaled
+under fp16 AMP, and already clipped by ``max_grad_norm`` (the Trainer clips before this event,
+and offers none earlier; it logs the total norm before clipping as ``grad_norm``). They are
+what the optimizer applies; ``max_grad_norm=0`` shows them unclipped. Gradients at layer outputs
+are captured during ``backward``, so under a loss scaler they carry the scale.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import graddebug
+from graddebug.errors import ConfigError, MissingFrameworkError, WatcherStateError
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise MissingFrameworkError(
+        "graddebug_torch.transformers needs transformers: "
+        "pip install 'graddebug-torch[transformers]' (or pip install transformers)."
+    ) from _exc
+
+from graddebug.adapter import StepResult, WatchContext
+from graddebug.integrations.stopping import (
+    check_watch_options,
+    nonfinite,
+    parse_stop_on,
+    stop_reason,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from transformers import Trainer
+
+    from graddebug.report.report import Report
+
+__all__ = ["GradDebugCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class GradDebugCallback(TrainerCallback):
+    """Watch the Trainer's model from ``on_train_begin`` to ``on_train_end``.
+
+    Each optimizer step closes a graddebug step. On recorded steps, the gradient norm of every
+    watched tensor is logged as ``graddebug/<layer>.<tensor>/norm`` (``graddebug/lm_head.weight
+    /norm``, ``graddebug/transformer.h.0.mlp.output/norm``) at the Trainer's ``global_step``,
+    next to its own ``loss`` entries; ``every=`` thins both. With :meth:`attach`, they go
+    through ``trainer.log``, so they reach ``state.log_history`` and every ``report_to``
+    integration (TensorBoard, wandb, MLflow); a callback given as ``Trainer(callbacks=[...])``
+    cannot reach the Trainer and appends them to ``state.log_history`` only.
+
+    Args:
+        stop_on: Issues that stop training (``control.should_training_stop = True``) at the
+            first step that shows them: ``("nonfinite",)``. The reason, naming the layer where
+            the NaN/Inf was born, is logged as a warning and kept in :attr:`stop_reason`.
+        log: Log the norms.
+        **watch_options: Options of :func:`graddebug.watch` (``layers=``, ``every=``,
+            ``outputs=``, ``thresholds=``, ``tensorboard=``, ...), except ``optimizer=``.
+
+    Attributes:
+        watcher: The Watcher of the latest ``train`` (None before one starts); it keeps its
+            frames after training ends.
+        stop_reason: Why this callback stopped training, or None.
+
+    Raises:
+        ConfigError: An unknown ``stop_on`` issue or watch option, or an unusable value.
+    """
+
+    def __init__(self, *, stop_on: Iterable[str] | str = (), log: bool = True,
+                 **watch_options: Any) -> None:
+        super().__init__()
+        self._stop_on = parse_stop_on(stop_on, "GradDebugCallback")
+        self._log = log
+        if "optimizer" in watch_options:
+            raise ConfigError(
+                "GradDebugCallback closes a step at each optimizer step by itself; "
+                "leave out optimizer=."
+            )
+        check_watch_options(watch_options, "GradDebugCallback", ("stop_on", "log"))
+        self._options = watch_options
+        self.watcher: WatchContext | None = None
+        self.stop_reason: str | None = None
+        self._owned = True
+        self._own: graddebug.Watcher | None = None  # the Watcher this callback entered
+        self._trainer: Trainer | None = None
+        self._pending: dict[str, float] = {}  # norms of the step, logged at its step end
+
+    @classmethod
+    def attach(cls, trainer: Trainer, *, stop_on: Iterable[str] | str = (), log: bool = True,
+               **watch_options: Any) -> GradDebugCallback:
+        """Add a callback to ``trainer`` that logs through ``trainer.log``.
+
+        Args:
+            trainer: The Trainer.
+            stop_on, log, **watch_options: As for the constructor.
+
+        Returns:
+            The callback, to read its findings after ``trainer.train()``.
+        """
+        callback = cls(stop_on=stop_on, log=log, **watch_options)
+        callback._trainer = trainer
+        trainer.add_callback(callback)
+        return callback
+
+    @classmethod
+    def bound(cls, context: WatchContext, *, stop_on: Iterable[str] | str = (),
+              log: bool = True) -> GradDebugCallback:
+        """Return a callback that serves an active Watcher instead of making its own.
+
+        ``with graddebug.watch(model) as dbg: trainer.add_callback(GradDebugCallback.bound(dbg))``
+        leaves the ``with`` block in charge of removing every hook, also when ``train`` raises
+        (a Trainer callback hears of no exception).
+
+        Args:
+            context: The Watcher.
+            stop_on: As for the constructor.
+            log: As for the constructor.
+
+        Raises:
+            WatcherStateError: ``context`` is not active.
+        """
+        if not context.active:
+            raise WatcherStateError("a bound GradDebugCallback needs an active Watcher.")
+        callback = cls(stop_on=stop_on, log=log)
+        callback.watcher, callback._owned = context, False
+        return callback
+
+    # -- Trainer events -------------------------------------------------------------------------
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, model: Any = None, **kwargs: Any) -> None:
+        """Start watching ``model`` (unless bound to a Watcher already)."""
+        self.stop_reason = None
+        self._pending = {}
+        if not self._owned:
+            return
+        self._finish()  # a previous train() that raised left its Watcher open
+        watcher = graddebug.Watcher(model, **self._options)
+        watcher.__enter__()
+        self.watcher = self._own = watcher
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
+                              control: TrainerControl, **kwargs: Any) -> None:
+        """Close the graddebug step; keep its norms for logging and check ``stop_on``."""
+        watcher = self.watcher
+        if watcher is None or not watcher.active:
+            return
+        step = watcher.step_index
+        if watcher.adapter is not None:
+            # Since backward, the Trainer may have unscaled (AMP) and clipped the gradients in
+            # place; measure them again so the step records what the optimizer applies.
+            watcher.adapter.grads_changed_in_place()
+        result = watcher.step()
+        if result is None:
+            return
+        if self._log:
+            self._pending = {f"graddebug/{r.layer}.{r.tensor}/norm": r.norm
+                             for r in result.records}
+        if self._stop_on and self.stop_reason is None and nonfinite(result):
+            self._stop(control, watcher, step, result)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:
+        """Log the norms of the step that just ended, at the Trainer's ``global_step``."""
+        metrics, self._pending = self._pending, {}
+        if not metrics:
+            return
+        if self._trainer is not None:
+            # trainer.log clears should_log, which the Trainer set for its own loss entry.
+            should_log = control.should_log
+            self._trainer.log(metrics)
+            control.should_log = should_log
+        else:
+            state.log_history.append({**metrics, "step": state.global_step})
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        """Stop watching: remove every hook."""
+        self._finish()
+
+    # -- results ------------------------------------------------------------------------------
+
+    def _require(self) -> WatchContext:
+        if self.watcher is None:
+            raise WatcherStateError(
+                "GradDebugCallback has no Watcher yet: pass it to Trainer(callbacks=[...]) "
+                "or GradDebugCallback.attach(trainer), and call trainer.train() first."
+            )
+        return self.watcher
+
+    def frame(self) -> pd.DataFrame:
+        """Return the Watcher's record frame (one row per step and tensor)."""
+        return self._require().frame()
+
+    def findings(self) -> pd.DataFrame:
+        """Return the Watcher's findings."""
+        return self._require().findings()
+
+    def report(self) -> Report:
+        """Return the run as a :class:`graddebug.Report`."""
+        return self._require().report()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _stop(self, control: TrainerControl, watcher: WatchContext, step: int,
+              result: StepResult) -> None:
+        self.stop_reason = stop_reason(watcher.findings(), step, result)
+        log.warning(self.stop_reason)
+        control.should_training_stop = True
+
+    def _finish(self) -> None:
+        watcher, self._own = self._own, None
+        if watcher is not None and watcher.active:
+            watcher.__exit__(None, None, None)

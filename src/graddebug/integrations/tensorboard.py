@@ -1,0 +1,136 @@
+"""TensorBoard output: per-tensor gradient norms as scalars, and norms over layers as histograms.
+
+Two ways in, one format:
+
+- ``graddebug report RUN --tensorboard DIR`` writes a recorded run (:func:`write_report`);
+- ``watch(model, tensorboard=DIR)`` streams each recorded step while training. That form is a
+  plugin of the ``graddebug_step_recorded`` hook (this module is registered as a built-in
+  plugin), the same hook a wandb or MLflow logger would implement.
+
+For each recorded step and each tensor, the scalar ``graddebug/<layer>.<tensor>/norm`` (the
+tags the Lightning and Trainer callbacks log), and for each kind (activation, parameter) the
+histogram ``graddebug/log10_norm/<kind>`` of log10 norms over the tensors of that step. Norms
+span many orders of magnitude across layers, so their log is what a histogram can show; zero
+and non-finite norms are left out of the histogram (the scalars keep them).
+
+The files are written with tensorboardX, imported only when used: the core imports no
+framework. tensorboardX itself imports torch when torch is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from graddebug.errors import MissingFrameworkError
+from graddebug.hookspecs import hookimpl
+from graddebug.records import Record
+
+if TYPE_CHECKING:
+    import os
+
+    from graddebug.adapter import StepResult, WatchContext
+    from graddebug.report.report import Report
+
+__all__ = [
+    "graddebug_run_finished",
+    "graddebug_step_recorded",
+    "histogram_tag",
+    "scalar_tag",
+    "write_report",
+]
+
+# The writers of the live runs, by Watcher. Weak keys: a Watcher that is dropped without
+# leaving its block leaves no writer behind.
+_WRITERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _tensorboardx() -> ModuleType:
+    try:
+        return importlib.import_module("tensorboardX")
+    except ImportError as exc:
+        raise MissingFrameworkError(
+            f"graddebug's TensorBoard output needs tensorboardX ({exc}); "
+            "install it with: pip install graddebug[tensorboard]"
+        ) from exc
+
+
+def scalar_tag(layer: str, tensor: str) -> str:
+    """The scalar tag of one tensor's norm: ``graddebug/<layer>.<tensor>/norm``."""
+    return f"graddebug/{layer}.{tensor}/norm"
+
+
+def histogram_tag(kind: str) -> str:
+    """The histogram tag of the log10 norms of one kind of tensor over layers."""
+    return f"graddebug/log10_norm/{kind}"
+
+
+def _write_step(writer: Any, step: int,
+                rows: Iterable[tuple[str, str, str, float]]) -> None:
+    """Write one step: ``rows`` are (layer, tensor, kind, norm)."""
+    by_kind: dict[str, list[float]] = {}
+    for layer, tensor, kind, norm in rows:
+        writer.add_scalar(scalar_tag(layer, tensor), float(norm), global_step=step)
+        if math.isfinite(norm) and norm > 0:
+            by_kind.setdefault(kind, []).append(math.log10(norm))
+    for kind, values in sorted(by_kind.items()):
+        writer.add_histogram(histogram_tag(kind), np.asarray(values), global_step=step,
+                             bins="auto")
+
+
+def _rows(records: Iterable[Record]) -> list[tuple[str, str, str, float]]:
+    return [(r.layer, r.tensor, r.kind, r.norm) for r in records]
+
+
+def write_report(report: Report, log_dir: str | os.PathLike[str]) -> Path:
+    """Write a recorded run as TensorBoard event files.
+
+    Args:
+        report: The run (``graddebug.load(path)``, ``dbg.report()``).
+        log_dir: The directory to write to (created if needed); point ``tensorboard
+            --logdir`` at it.
+
+    Returns:
+        The directory.
+
+    Raises:
+        MissingFrameworkError: tensorboardX is not installed.
+    """
+    writer = _tensorboardx().SummaryWriter(logdir=str(log_dir))
+    try:
+        frame = report.frame()
+        steps = frame["step"].to_numpy()
+        columns = frame[["layer", "tensor", "kind", "norm"]]
+        for step in np.unique(steps):
+            _write_step(writer, int(step),
+                        columns[steps == step].itertuples(index=False, name=None))
+    finally:
+        writer.close()
+    return Path(log_dir)
+
+
+@hookimpl
+def graddebug_step_recorded(watcher: WatchContext, step: int, result: StepResult) -> None:
+    """Stream a recorded step to ``watch(tensorboard=DIR)``; nothing when not asked for."""
+    log_dir = getattr(watcher, "tensorboard", None)
+    if log_dir is None:
+        return
+    writer = _WRITERS.get(watcher)
+    if writer is None:
+        writer = _WRITERS[watcher] = _tensorboardx().SummaryWriter(logdir=str(log_dir))
+    _write_step(writer, step, _rows(result.records))
+
+
+@hookimpl
+def graddebug_run_finished(watcher: WatchContext) -> None:
+    """Close the writer of a run that streamed to TensorBoard."""
+    writer = _WRITERS.pop(watcher, None)
+    if writer is not None:
+        writer.close()

@@ -1,0 +1,104 @@
+"""TensorBoard output, read back with TensorBoard's own event reader."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import graddebug
+import runs
+from graddebug.cli import main
+from graddebug.errors import ConfigError, MissingFrameworkError
+from graddebug.integrations.tensorboard import write_report
+
+pytest.importorskip("tensorboardX")
+accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+
+def _read(log_dir: Path) -> accumulator.EventAccumulator:
+    events = accumulator.EventAccumulator(
+        str(log_dir), size_guidance={accumulator.SCALARS: 0, accumulator.HISTOGRAMS: 0})
+    events.Reload()
+    return events
+
+
+def test_a_report_becomes_scalars_and_histograms(tmp_path: Path) -> None:
+    report = runs.healthy()
+    write_report(report, tmp_path / "tb")
+    events = _read(tmp_path / "tb")
+    frame = report.frame()
+    tags = events.Tags()
+    assert sorted(tags["scalars"]) == sorted(
+        f"graddebug/{layer}.{tensor}/norm" for layer, tensor in
+        frame[["layer", "tensor"]].drop_duplicates().itertuples(index=False))
+    head = events.Scalars("graddebug/head.weight/norm")
+    expected = frame[(frame["layer"] == "head") & (frame["tensor"] == "weight")]
+    assert [e.step for e in head] == list(expected["step"])
+    np.testing.assert_allclose([e.value for e in head], expected["norm"], rtol=1e-6)
+    assert sorted(tags["histograms"]) == ["graddebug/log10_norm/activation",
+                                          "graddebug/log10_norm/parameter"]
+    hist = events.Histograms("graddebug/log10_norm/activation")
+    assert [h.step for h in hist] == list(range(12))
+    at3 = frame[(frame["step"] == 3) & (frame["kind"] == "activation")]["norm"]
+    value = hist[3].histogram_value
+    assert value.num == len(runs.LAYERS)
+    assert value.min == pytest.approx(math.log10(at3.min()))
+    assert value.max == pytest.approx(math.log10(at3.max()))
+
+
+def test_the_histogram_leaves_out_nonfinite_norms(tmp_path: Path) -> None:
+    report = runs.broken()
+    write_report(report, tmp_path / "tb")
+    events = _read(tmp_path / "tb")
+    hist = {h.step: h.histogram_value.num
+            for h in events.Histograms("graddebug/log10_norm/activation")}
+    assert hist[4] == len(runs.LAYERS) and hist[5] == len(runs.LAYERS) - 1
+    nan = events.Scalars("graddebug/block.1.output/norm")
+    assert math.isnan(nan[5].value) and math.isfinite(nan[4].value)
+
+
+def test_report_command_writes_events(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    runs.healthy().save(tmp_path / "run")
+    code = main(["report", str(tmp_path / "run"), "--tensorboard", str(tmp_path / "tb"),
+                 "--format", "csv"])
+    assert code == 0
+    events = _read(tmp_path / "tb")
+    assert len(events.Scalars("graddebug/embed.output/norm")) == 12
+
+
+def test_watch_streams_while_training(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    with graddebug.watch(model, tensorboard=tmp_path / "tb") as dbg:
+        for _ in range(3):
+            x = torch.randn(5, 4)
+            loss = model(x).square().mean()
+            (dw,) = torch.autograd.grad(loss, [model[0].weight], retain_graph=True)
+            expected.append(float(dw.norm()))
+            loss.backward()
+            dbg.step()
+            opt.step()
+            opt.zero_grad()
+    events = _read(tmp_path / "tb")
+    first = events.Scalars("graddebug/0.weight/norm")
+    assert [e.step for e in first] == [0, 1, 2]
+    np.testing.assert_allclose([e.value for e in first], expected, rtol=1e-6)
+    assert [h.step for h in events.Histograms("graddebug/log10_norm/parameter")] == [0, 1, 2]
+
+
+def test_tensorboard_option_is_checked_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="tensorboard=3"):
+        graddebug.watch(tensorboard=3)
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(MissingFrameworkError, match=r"pip install graddebug\[tensorboard\]"):
+        graddebug.watch(tensorboard="tb")
+    with pytest.raises(MissingFrameworkError, match=r"graddebug\[tensorboard\]"):
+        write_report(runs.healthy(), "tb")
