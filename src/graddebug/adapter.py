@@ -101,6 +101,10 @@ class WatchContext(Protocol):
     def internal_error(self, exc: BaseException, where: str) -> None:
         """Report a bug caught inside a hook: record it, or raise when ``strict=True``."""
 
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn (a ``GradDebugWarning``) once per ``key``: for gaps in the records that are
+        neither bugs nor the user's errors, such as tensors a hook has to skip."""
+
     def step(self, grads: Sequence[Any] | None = None) -> StepResult | None:
         """Close the open step; return its result, or None when it was not recorded."""
 

@@ -16,7 +16,7 @@ from graddebug.capture.layers import keep_label
 from graddebug.records import Event, EventKind, Kind, Record
 from graddebug_torch.stats import acc_dtype, unit_summary
 
-__all__ = ["Capture", "ParamGrad", "ParamRow", "StepCaptures", "gather"]
+__all__ = ["Capture", "ParamGrad", "ParamRow", "StepCaptures", "gather", "kept_array"]
 
 Key = tuple[str, str]
 
@@ -65,7 +65,8 @@ class ParamRow:
 class StepCaptures:
     """Everything captured in the open step; dropped when it closes.
 
-    ``touched`` says that a parameter gradient arrived (recorded or not); ``changed_in_place``
+    ``touched`` says that a parameter gradient arrived (recorded or not); ``transformed`` that
+    a watched module ran inside a ``torch.func`` transform, unrecorded; ``changed_in_place``
     that the gradients were changed unseen by their version counters (a loss scaler
     unscaling them), so the sums of squares taken in the hooks are stale.
     """
@@ -79,6 +80,7 @@ class StepCaptures:
     received: dict[int, ParamGrad] = field(default_factory=dict)
     tap_requires_grad: bool = False
     touched: bool = False
+    transformed: bool = False
     changed_in_place: bool = False
 
 
@@ -120,7 +122,8 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
     """
     present = [p for p in params if p.grad is not None]
     if not state.captures and not present:
-        return StepResult()  # no backward ran in this step
+        # No backward ran in this step; what forward saw (a tap cut from the graph) stands.
+        return StepResult(events=list(state.events))
     batch = _HostBatch()
 
     # Activation scalars, stacked into one tensor; their positions are remembered per capture.
@@ -203,8 +206,20 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
             result.events.append(Event(step, p.layer, p.tensor, p.depth,
                                        EventKind.NO_GRAD.value))
         elif p.keep:
-            result.kept[keep_label(p.layer, p.tensor)] = p.grad.detach().cpu().numpy().copy()
+            result.kept[keep_label(p.layer, p.tensor)] = kept_array(p.grad)
     return result
+
+
+def kept_array(grad: Tensor) -> np.ndarray:
+    """A gradient as ``keep=`` keeps it: a dense numpy copy on the host. Sparse gradients
+    (``Embedding(sparse=True)``) are densified; floating dtypes numpy lacks or computes poorly
+    (bfloat16, float16 under autocast) become float32, which holds them exactly."""
+    out = grad.detach()
+    if out.layout != torch.strided:
+        out = out.to_dense()
+    if out.is_floating_point() and out.dtype not in (torch.float32, torch.float64):
+        out = out.float()
+    return out.cpu().numpy().copy()
 
 
 def _activation_record(step: int, key: Key, depth: int, calls: list[Capture],
