@@ -26,10 +26,13 @@ Warn = Callable[[str, str], None]
 Describe = Callable[[], tuple[Mapping[str, Any], Mapping[str, Any]]]
 
 
+_ACTIVATION = Kind.ACTIVATION.value  # Enum.value is a descriptor call: slow once per row
+
+
 def _row_order(record: Record) -> tuple[bool, float, str, str]:
     """Within a step: activations, then parameters; each in forward order."""
     depth = record.depth if record.depth >= 0 else math.inf
-    return (record.kind != Kind.ACTIVATION.value, depth, record.layer, record.tensor)
+    return (record.kind != _ACTIVATION, depth, record.layer, record.tensor)
 
 
 class RunBuffer:

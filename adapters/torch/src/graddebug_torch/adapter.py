@@ -29,6 +29,7 @@ from graddebug_torch.params import (
     model_params,
     param_rows,
 )
+from graddebug_torch.staging import SMALL_NUMEL, SmallGrads
 from graddebug_torch.stats import (
     acc_dtype,
     apply_intervention,
@@ -36,7 +37,14 @@ from graddebug_torch.stats import (
     unit_extremes,
     whole_absmax,
 )
-from graddebug_torch.step import Capture, ParamGrad, StepCaptures, gather, kept_array
+from graddebug_torch.step import (
+    Capture,
+    ParamGrad,
+    StepCaptures,
+    gather,
+    kept_array,
+    shape_text,
+)
 
 __all__ = ["TorchAdapter"]
 
@@ -119,7 +127,8 @@ def _any_requires_grad(value: Any) -> bool:
 
 
 def _owns_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
+    # Module._parameters directly: parameters(recurse=False) builds a generator chain per call.
+    return any(p is not None for p in module._parameters.values())
 
 
 def _fits(out: Any, grad: Tensor) -> bool:
@@ -154,6 +163,7 @@ class TorchAdapter(BaseAdapter):
         self._params: list[TorchParam] = []
         self._handles: list[RemovableHandle] = []
         self._state = StepCaptures()
+        self._staging = SmallGrads()
         self._was_training: bool | None = None
         self._resolve(params)
 
@@ -349,6 +359,11 @@ class TorchAdapter(BaseAdapter):
         state.touched = True
         if not self._ctx.recording or grad is None:
             return
+        if grad.numel() <= SMALL_NUMEL:
+            # Small gradients are left to the batched pass at the step's close (one kernel a
+            # shape); a kernel each here would cost more than the data.
+            state.received[index] = ParamGrad(grad, None, grad._version)
+            return
         with self._fail_open(self._params[index].layer):
             dense = not grad.is_sparse and grad.is_contiguous()
             first = index not in state.received
@@ -428,16 +443,23 @@ class TorchAdapter(BaseAdapter):
         seen = new if new is not None else grad
         if seen.is_sparse:
             seen = seen.coalesce().values()
-        extremes = unit_extremes(seen, _unit_dim(seen.dim(), layer.channels_first))
-        capture = Capture(
-            sq=square_sum(seen),
-            total=seen.sum(dtype=acc_dtype(seen)),
-            extremes=extremes,
-            absmax=whole_absmax(seen) if extremes is None else None,
-            shape=str(tuple(seen.shape)),
-            numel=seen.numel(),
-            pre_sq=square_sum(grad) if new is not None else None,
-        )
+        unit_dim = _unit_dim(seen.dim(), layer.channels_first)
+        if new is None and SmallGrads.fits(seen):
+            capture = Capture.pending(
+                self._staging.put(seen, unit_dim), shape_text(seen.shape), seen.numel(),
+                seen.shape[unit_dim] if unit_dim is not None else 0)
+        else:
+            extremes = unit_extremes(seen, unit_dim)
+            capture = Capture(
+                sq=square_sum(seen),
+                total=seen.sum(dtype=acc_dtype(seen)),
+                extremes=extremes,
+                absmax=whole_absmax(seen) if extremes is None else None,
+                shape=shape_text(seen.shape),
+                numel=seen.numel(),
+                pre_sq=square_sum(grad) if new is not None else None,
+                n_units=0 if extremes is None else extremes[0].numel(),
+            )
         calls = self._state.captures.setdefault((layer.name, tname), [])
         calls.append(capture)
         if layer.keep:
@@ -450,6 +472,7 @@ class TorchAdapter(BaseAdapter):
         for handle in self._state.handles:
             handle.remove()
         self._state = StepCaptures()
+        self._staging.clear()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Turn the step's captures into records with one host transfer, then reset."""
@@ -461,9 +484,15 @@ class TorchAdapter(BaseAdapter):
             rows = param_rows(self._params, state.received, grads, state.changed_in_place,
                               self._param_depth)
             return gather(step, state, rows, depths,
-                          full=self._options.param_stats == "full")
+                          full=self._options.param_stats == "full", staging=self._staging)
         finally:
             self._drop_step()
 
     def _param_depth(self, param: TorchParam) -> int:
-        return self._depth_of(self._name(n) for n in param.owner_chain)
+        if param.depth >= 0:
+            return param.depth
+        depth = self._depth_of(self._name(n) for n in param.owner_chain)
+        owner = self._layers.get(self._name(param.owner_chain[0]))
+        if owner is not None and owner.depth >= 0:  # the owner's own depth never changes
+            param.depth = depth
+        return depth

@@ -26,6 +26,7 @@ class TorchParam:
         param: The tensor.
         owner_chain: The owner module's qualified name, then those of its ancestors.
         keep: Its full gradient is kept (``keep=`` names its layer).
+        depth: Its depth, once its owner module ran forward (-1 until then).
     """
 
     layer: str
@@ -33,6 +34,7 @@ class TorchParam:
     param: Tensor
     owner_chain: tuple[str, ...]
     keep: bool = False
+    depth: int = -1
 
 
 def ancestors(qualified: str) -> Iterator[str]:
