@@ -185,10 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--frame-steps", type=int, default=0,
                         help="steps recorded before frame() (default: 100,000 rows' worth)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (default: torch's own choice)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--profile", action="store_true",
                         help="profile the watched steps instead of timing frame()")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     frame_steps = args.frame_steps or max(1, -(-100_000 // (3 * args.layers)))
     profile = None
     if args.profile:

@@ -164,6 +164,7 @@ class TorchAdapter(BaseAdapter):
         self._handles: list[RemovableHandle] = []
         self._state = StepCaptures()
         self._staging = SmallGrads()
+        self._grad_hooks: dict[tuple[str, str], Callable[[Tensor], Tensor | None]] = {}
         self._was_training: bool | None = None
         self._resolve(params)
 
@@ -415,7 +416,9 @@ class TorchAdapter(BaseAdapter):
         if not tensor.requires_grad:
             return
         state.expected.setdefault(key, layer.depth)
-        hook = functools.partial(self._on_grad, layer, tname)
+        hook = self._grad_hooks.get(key)
+        if hook is None:  # one per output, reused every step
+            hook = self._grad_hooks[key] = functools.partial(self._on_grad, layer, tname)
         state.handles.append(tensor.register_hook(hook))
 
     def _intervene_unrecorded(self, tensor: Tensor, spec: Intervention | None,
