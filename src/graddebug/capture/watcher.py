@@ -278,13 +278,13 @@ class Watcher(RunResults):
         Call it once per optimizer step, after ``backward()`` (before or after
         ``optimizer.step()``; before ``zero_grad()``).
 
-        Args:
-            grads: Parameter gradients in the order of the watched parameters, for frameworks
-                that do not store them on the parameters (TensorFlow). Torch reads ``p.grad``.
-
         A second call with nothing captured since the last one (no backward in between)
         records nothing and warns once: ``p.grad`` still holds the gradients already recorded,
         and recording them again would invent a step.
+
+        Args:
+            grads: Parameter gradients in the order of the watched parameters, for frameworks
+                that do not store them on the parameters (TensorFlow). Torch reads ``p.grad``.
 
         Returns:
             The step's records, events and kept gradients; None when ``every=`` skipped it, or
@@ -293,6 +293,8 @@ class Watcher(RunResults):
         Raises:
             WatcherStateError: Called outside the ``with`` block, or after the optimizer given
                 to ``watch(optimizer=...)`` has closed the step already.
+            GradientCountError: ``grads`` does not line up with the watched parameters: another
+                count, or the first entry whose type, shape or dtype is not its parameter's.
         """
         if not self._active:
             raise WatcherStateError(
