@@ -463,7 +463,10 @@ class TorchAdapter(BaseAdapter):
                 pre_sq=square_sum(grad) if new is not None else None,
                 n_units=0 if extremes is None else extremes[0].numel(),
             )
-        calls = self._state.captures.setdefault((layer.name, tname), [])
+        key = (layer.name, tname)
+        calls = self._state.captures.get(key)
+        if calls is None:
+            calls = self._state.captures[key] = []
         calls.append(capture)
         if layer.keep:
             label = keep_label(layer.name, tname, len(calls) - 1)

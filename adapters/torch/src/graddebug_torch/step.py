@@ -37,7 +37,7 @@ _PENDING = torch.empty(0)
 """Stands for a statistic of a staged gradient until the step's batched pass fills it in."""
 
 
-@dataclass
+@dataclass(slots=True)  # one object per hook call, not two: less for the collector
 class Capture:
     """Device-side statistics of one gradient seen by one hook call.
 
@@ -63,7 +63,7 @@ class Capture:
         return cls(_PENDING, _PENDING, None, None, shape, numel, None, n_units, staged)
 
 
-@dataclass
+@dataclass(slots=True)
 class ParamGrad:
     """A parameter gradient as the post-accumulate hook saw it, with its sum of squares taken
     while it was still in cache (None when it must be recomputed at the step's close)."""
@@ -73,7 +73,7 @@ class ParamGrad:
     version: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ParamRow:
     """A watched parameter at the close of a step."""
 
