@@ -267,6 +267,7 @@ class TorchAdapter(BaseAdapter):
         self._handles.clear()
         self._release_modules()
         self._drop_step()
+        self._staging = SmallGrads()  # the staging buffers go with the hooks
         if self._model is not None and self._was_training is not None:
             self._model.train(self._was_training)
 
