@@ -3,12 +3,10 @@ and its buffer (:mod:`graddebug.capture.buffer`)."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from types import TracebackType
 from typing import Any, Literal
@@ -16,7 +14,7 @@ from typing import Any, Literal
 import pluggy
 
 from graddebug.adapter import Adapter, StepResult
-from graddebug.capture.buffer import RunBuffer
+from graddebug.capture.buffer import RunBuffer, gc_paused
 from graddebug.capture.kept import KEEP_STEPS, check_keep_steps
 from graddebug.capture.layers import Intervention
 from graddebug.capture.metadata import run_metadata
@@ -38,25 +36,6 @@ from graddebug.runs.layout import now
 from graddebug.runs.writer import DEFAULT_FLUSH_EVERY
 
 __all__ = ["StepState", "Watcher", "watch"]
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a step's records are built.
-
-    A step of a large model allocates tens of thousands of record tuples, none of them part of
-    a cycle. Every 700 allocations trigger a collection, and every hundredth of those walks
-    the whole heap, which in a training process holds every module, parameter and tensor
-    wrapper: building records then cost more per row the larger the model was (on 10,000
-    layers, about two thirds of closing a step). The collector's state is restored after.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class StepState(Enum):
@@ -338,7 +317,7 @@ class Watcher(RunResults):
         result = None
         try:
             if adapter is not None:
-                with _gc_paused():
+                with gc_paused():
                     result = adapter.close_step(self._step, grads, record=recording)
                     if recording:
                         self._buffer.add(self._step, result)

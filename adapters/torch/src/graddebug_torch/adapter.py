@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,8 +19,14 @@ from graddebug.capture.layers import (
     keep_label,
     select_layers,
 )
-from graddebug.errors import ConfigError, WatcherStateError
+from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind
+from graddebug_torch.guards import (
+    FUNCTORCH_WARNING,
+    ModuleOwners,
+    check_mask_device,
+    in_functorch_transform,
+)
 from graddebug_torch.params import (
     TorchParam,
     check_optimizer,
@@ -72,12 +77,6 @@ def _unit_dim(ndim: int, channels_first: bool) -> int | None:
     return ndim - 1
 
 
-# Modules hooked by a live Watcher, with the hooking adapter's id and model. A module shared by
-# two watched models would otherwise be recorded by both Watchers, whichever model called it.
-# Weak keys: a module that is garbage-collected leaves no entry behind.
-_HOOKED: weakref.WeakKeyDictionary[nn.Module, tuple[int, str]] = weakref.WeakKeyDictionary()
-
-
 def _flatten(value: Any, path: str = "output") -> Iterator[tuple[str, Tensor]]:
     """Yield ``(name, tensor)`` for every tensor in a (nested) tuple, list, dict or dataclass
     output; a dataclass field is named like a dict key (``output.field``)."""
@@ -92,34 +91,6 @@ def _flatten(value: Any, path: str = "output") -> Iterator[tuple[str, Tensor]]:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             yield from _flatten(getattr(value, f.name), f"{path}.{f.name}")
-
-
-def _in_functorch_transform() -> bool:
-    """Whether a ``torch.func`` transform (grad, vmap, jacrev, ...) is running: tensors inside
-    it are functorch wrappers, on which tensor hooks crash or see the wrong gradient."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
-_FUNCTORCH_WARNING = (
-    "graddebug: a watched module ran inside a torch.func transform (grad, vmap, jacrev, ...); "
-    "graddebug does not hook tensors inside those transforms, so these calls are not recorded "
-    "and interventions do not apply to them. Gradients that reach p.grad (backward()) are "
-    "recorded as usual."
-)
-
-
-def _check_mask_device(spec: Intervention | None, name: str) -> None:
-    """A mask on the ``meta`` device holds no values and could never be applied.
-
-    Raises:
-        ConfigError: It is on the ``meta`` device.
-    """
-    mask = spec.mask if spec is not None else None
-    if isinstance(mask, Tensor) and mask.device.type == "meta":
-        raise ConfigError(
-            f"the mask for {name!r} is on the 'meta' device, which holds shapes but no values, "
-            "so it cannot mask a gradient; build it on the CPU or on the model's device."
-        )
 
 
 def _any_requires_grad(value: Any) -> bool:
@@ -164,6 +135,7 @@ class TorchAdapter(BaseAdapter):
         self._handles: list[RemovableHandle] = []
         self._state = StepCaptures()
         self._staging = SmallGrads()
+        self._owners = ModuleOwners()
         self._grad_hooks: dict[tuple[str, str], Callable[[Tensor], Tensor | None]] = {}
         self._was_training: bool | None = None
         self._resolve(params)
@@ -209,8 +181,8 @@ class TorchAdapter(BaseAdapter):
         """Register one forward hook per watched module and one post-accumulate hook per
         watched parameter."""
         for name, spec in self._options.intervene.items():
-            _check_mask_device(spec, name)
-        self._claim_modules()
+            check_mask_device(spec, name)
+        self._owners.claim(self._modules, type(self._model).__name__)
         if self._model is not None:
             self._was_training = self._model.training
         for name, module in self._modules.items():
@@ -220,32 +192,6 @@ class TorchAdapter(BaseAdapter):
             if param.param.requires_grad:
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
                     functools.partial(self._on_param_grad, index)))
-
-    def _claim_modules(self) -> None:
-        """Mark the hooked modules as this Watcher's.
-
-        Raises:
-            WatcherStateError: One of them is hooked by another live Watcher (a module shared
-                by two watched models): each Watcher would record the other's calls.
-        """
-        owner = type(self._model).__name__
-        for name, module in self._modules.items():
-            held = _HOOKED.get(module)
-            if held is not None and held[0] != id(self):
-                self._release_modules()
-                raise WatcherStateError(
-                    f"module {name!r} of {owner} is already watched by another active Watcher "
-                    f"(of a {held[1]}); a module shared by two watched models would be recorded "
-                    "by both, whichever model called it. Watch the model that contains both "
-                    "once, or leave the shared module out of one Watcher with layers=."
-                )
-            _HOOKED[module] = (id(self), owner)
-
-    def _release_modules(self) -> None:
-        for module in self._modules.values():
-            held = _HOOKED.get(module)
-            if held is not None and held[0] == id(self):
-                del _HOOKED[module]
 
     def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None) -> None:
         """Call ``on_step`` after each ``optimizer.step()`` (a step post-hook, removed on
@@ -265,7 +211,7 @@ class TorchAdapter(BaseAdapter):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._release_modules()
+        self._owners.release()
         self._drop_step()
         self._staging = SmallGrads()  # the staging buffers go with the hooks
         if self._model is not None and self._was_training is not None:
@@ -327,9 +273,9 @@ class TorchAdapter(BaseAdapter):
                 f"tap({type(tensor).__name__}, {name!r}): the torch adapter taps torch.Tensor "
                 "objects only."
             )
-        _check_mask_device(intervention, name)
+        check_mask_device(intervention, name)
         layer = self._tap_layer(name, intervention)
-        if _in_functorch_transform():
+        if in_functorch_transform():
             self._skip_transformed()
             return tensor
         if not self._ctx.recording or not torch.is_grad_enabled():
@@ -375,11 +321,11 @@ class TorchAdapter(BaseAdapter):
     def _skip_transformed(self) -> None:
         """A forward or a tap inside a ``torch.func`` transform: skipped, with one warning."""
         self._state.transformed = True
-        self._ctx.warn_once("functorch", _FUNCTORCH_WARNING)
+        self._ctx.warn_once("functorch", FUNCTORCH_WARNING)
 
     def _on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self._ctx
-        if _in_functorch_transform():
+        if in_functorch_transform():
             self._skip_transformed()
             return
         if not ctx.recording or not torch.is_grad_enabled():
