@@ -101,6 +101,10 @@ class WatchContext(Protocol):
     def internal_error(self, exc: BaseException, where: str) -> None:
         """Report a bug caught inside a hook: record it, or raise when ``strict=True``."""
 
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn (a ``GradDebugWarning``) once per ``key``: for gaps in the records that are
+        neither bugs nor the user's errors, such as tensors a hook has to skip."""
+
     def step(self, grads: Sequence[Any] | None = None) -> StepResult | None:
         """Close the open step; return its result, or None when it was not recorded."""
 
@@ -223,6 +227,7 @@ class BaseAdapter:
         self._layers: dict[str, LayerSpec] = {}
         self._matched: set[str] = set()
         self._next_depth = 0
+        self._guards: dict[str, FailOpen] = {}
 
     # -- names and depths --------------------------------------------------------------------
 
@@ -307,5 +312,12 @@ class BaseAdapter:
         """Nothing to do where gradients are not measured before the step closes."""
 
     def _fail_open(self, where: str) -> FailOpen:
-        """``with self._fail_open(layer): ...`` around the body of every hook."""
-        return FailOpen(self._ctx.internal_error, where)
+        """``with self._fail_open(layer): ...`` around the body of every hook.
+
+        One guard per ``where``, reused: it holds no state of its own, and hooks run once per
+        layer and step, where each allocation adds to the garbage collector's work.
+        """
+        guard = self._guards.get(where)
+        if guard is None:
+            guard = self._guards[where] = FailOpen(self._ctx.internal_error, where)
+        return guard

@@ -111,8 +111,10 @@ class Record(NamedTuple):
         mean = total / numel if numel else math.nan
         var = norm * norm / numel - mean * mean if numel else math.nan
         std = math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.nan
-        return cls(step, layer, tensor, kind, depth, shape, numel, norm, mean, std,
-                   absmax, zero_frac, nan, inf and not nan, pre_norm)
+        # tuple.__new__ skips the generated keyword-checking __new__: 3x faster, and a large
+        # model closes tens of thousands of records a step.
+        return tuple.__new__(cls, (step, layer, tensor, kind, depth, shape, numel, norm, mean,
+                                   std, absmax, zero_frac, nan, inf and not nan, pre_norm))
 
 
 RECORD_COLUMNS: tuple[str, ...] = Record._fields[:-1]

@@ -117,7 +117,9 @@ class RunResults:
 
         Keys are the layer name for a layer output (``"fc1"``), ``"fc1.output.0"`` for parts of
         tuple outputs, ``"fc1.weight"`` for parameters; a layer called several times in a step
-        adds ``"fc1#1"``, ``"fc1#2"``, ...
+        adds ``"fc1#1"``, ``"fc1#2"``, ... Arrays are dense (a sparse gradient is densified);
+        bfloat16 and float16 gradients are kept as float32. Only the last ``keep_steps``
+        recorded steps are held (10 by default).
 
         Args:
             step: A recorded step; None for the latest step that kept anything.
@@ -134,5 +136,7 @@ class RunResults:
         if step is None:
             step = max(kept)
         if step not in kept:
-            raise KeyError(f"step {step!r} kept no gradients; steps that did: {sorted(kept)}")
+            raise KeyError(
+                f"step {step!r} kept no gradients; steps held now: {sorted(kept)} (only the "
+                "last keep_steps recorded steps are held; watch(keep_steps=None) holds all)")
         return dict(kept[step])

@@ -14,7 +14,8 @@ from typing import Any, Literal
 import pluggy
 
 from graddebug.adapter import Adapter, StepResult
-from graddebug.capture.buffer import RunBuffer
+from graddebug.capture.buffer import RunBuffer, gc_paused
+from graddebug.capture.kept import KEEP_STEPS, check_keep_steps
 from graddebug.capture.layers import Intervention
 from graddebug.capture.metadata import run_metadata
 from graddebug.capture.options import build_options, check_tensorboard
@@ -63,6 +64,7 @@ class Watcher(RunResults):
         params: Mapping[str, Any] | None = None,
         layers: Sequence[Any] | str | type | None = None,
         keep: Sequence[str] | str | None = None,
+        keep_steps: int | None = KEEP_STEPS,
         intervene: Mapping[str, Any] | None = None,
         every: int = 1,
         outputs: bool = True,
@@ -84,13 +86,17 @@ class Watcher(RunResults):
         self.tensorboard = check_tensorboard(tensorboard)
         self._model = model
         self._params = params
-        super().__init__(RunBuffer(log_dir, flush_every, self._describe, self.internal_error),
-                         Thresholds.coerce(thresholds), plugin_manager or get_plugin_manager())
+        buffer = RunBuffer(log_dir, flush_every, self._describe, self.internal_error,
+                           keep_steps=check_keep_steps(keep_steps), warn=self.warn_once)
+        super().__init__(buffer, Thresholds.coerce(thresholds),
+                         plugin_manager or get_plugin_manager())
         self._adapter: Adapter | None = None
         self._active = False
         self._step = 0
         self._closed = StepState.OPEN  # who closed the last step; OPEN before the first
         self._warned = False
+        self._warned_keys: set[str] = set()
+        self._quiet = False
         self._started = ""
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -123,11 +129,14 @@ class Watcher(RunResults):
         tb: TracebackType | None,
     ) -> None:
         adapter = self._adapter
+        # Warnings about gaps would only bury the exception that ends the block.
+        self._quiet = exc_type is not None
         try:
             if adapter is not None and adapter.has_pending():
                 # A run that ends (or crashes) mid-step keeps what it captured.
                 self._close(None, StepState.CLOSED_BY_USER)
         finally:
+            self._quiet = False
             self._active = False
             if adapter is not None:
                 adapter.detach()
@@ -227,6 +236,21 @@ class Watcher(RunResults):
                 stacklevel=2,
             )
 
+    def warn_once(self, key: str, message: str) -> None:
+        """Emit ``message`` as a :class:`GradDebugWarning`, once per ``key`` and Watcher.
+
+        For conditions that are not bugs and not errors, but that leave gaps in the records
+        (a tensor graddebug cannot hook, gradients nobody handed over).
+
+        Args:
+            key: What the warning is about; a second warning with the same key is dropped.
+            message: The text, which says what to do.
+        """
+        if key in self._warned_keys or self._quiet:
+            return
+        self._warned_keys.add(key)
+        warnings.warn(message, GradDebugWarning, stacklevel=3)
+
     # -- steps --------------------------------------------------------------------------------
 
     def step(self, grads: Sequence[Any] | None = None) -> StepResult | None:
@@ -235,29 +259,45 @@ class Watcher(RunResults):
         Call it once per optimizer step, after ``backward()`` (before or after
         ``optimizer.step()``; before ``zero_grad()``).
 
+        A second call with nothing captured since the last one (no backward in between)
+        records nothing and warns once: ``p.grad`` still holds the gradients already recorded,
+        and recording them again would invent a step.
+
         Args:
             grads: Parameter gradients in the order of the watched parameters, for frameworks
                 that do not store them on the parameters (TensorFlow). Torch reads ``p.grad``.
 
         Returns:
-            The step's records, events and kept gradients; None when ``every=`` skipped it.
+            The step's records, events and kept gradients; None when ``every=`` skipped it, or
+            when nothing arrived since the last ``dbg.step()``.
 
         Raises:
             WatcherStateError: Called outside the ``with`` block, or after the optimizer given
                 to ``watch(optimizer=...)`` has closed the step already.
+            GradientCountError: ``grads`` does not line up with the watched parameters: another
+                count, or the first entry whose type, shape or dtype is not its parameter's.
         """
         if not self._active:
             raise WatcherStateError(
                 "step() was called outside the `with graddebug.watch(...)` block; "
                 "call it inside the block, once per optimizer step."
             )
-        if self.step_state is StepState.CLOSED_BY_OPTIMIZER:
+        state = self.step_state
+        if state is StepState.CLOSED_BY_OPTIMIZER:
             optimizer = type(self._options.optimizer).__name__
             raise WatcherStateError(
                 f"dbg.step() found no gradient to record: {optimizer}.step() has closed this "
                 "step already, as it does each step under watch(optimizer=...). Leave "
                 "dbg.step() out of the loop, or drop optimizer=."
             )
+        if grads is None and self.recording and state is StepState.CLOSED_BY_USER:
+            self.warn_once("step-twice", (
+                f"graddebug: dbg.step() was called again with no backward since the last call "
+                f"(step {self._step}); it recorded nothing, since the gradients on the "
+                "parameters are those of the step already recorded. Call dbg.step() once per "
+                "optimizer step, after backward()."
+            ))
+            return None
         return self._close(grads, StepState.CLOSED_BY_USER)
 
     def _optimizer_stepped(self) -> None:
@@ -279,9 +319,11 @@ class Watcher(RunResults):
         result = None
         try:
             if adapter is not None:
-                result = adapter.close_step(self._step, grads, record=recording)
+                with gc_paused():
+                    result = adapter.close_step(self._step, grads, record=recording)
+                    if recording:
+                        self._buffer.add(self._step, result)
                 if recording:
-                    self._buffer.add(self._step, result)
                     self._notify(self._pm.hook.graddebug_step_recorded, watcher=self,
                                  step=self._step, result=result)
         finally:
@@ -413,7 +455,10 @@ def watch(model: Any = None, **options: Any) -> Watcher:
 
             - ``params``: ``{"W": W, ...}`` tensors or variables recorded as parameters.
             - ``layers``: names, globs (``"encoder.*"``) or layer types to capture.
-            - ``keep``: layer or tap names whose full gradients are kept as numpy arrays.
+            - ``keep``: layer or tap names whose full gradients are kept as numpy arrays
+              (dense; half-precision and bfloat16 gradients as float32).
+            - ``keep_steps``: how many recorded steps of ``keep=`` gradients are held (default
+              10, the latest); None holds every step. A warning fires once they pass 1 GiB.
             - ``intervene``: ``{name: {"clip_norm": 1.0, "clip_value":, "mask":, "scale":}}``.
             - ``every``: record one step in ``every``.
             - ``outputs``: False records parameters only.

@@ -145,13 +145,22 @@ class RunWriter:
         """How many parts have been flushed."""
         return self._parts
 
-    def start(self, metadata: Mapping[str, Any], thresholds: Mapping[str, Any]) -> None:
-        """Create the directory (the first time) and mark the run as running."""
+    def create(self) -> None:
+        """Create the run directory and its stream folders (once).
+
+        Raises:
+            ConfigError: ``path`` became a file or a non-empty directory since construction.
+            OSError: The directory cannot be created.
+        """
         if not self._started:
             self._check_free()
             for stream in STREAMS:
                 (self.path / stream).mkdir(parents=True, exist_ok=True)
             self._started = True
+
+    def start(self, metadata: Mapping[str, Any], thresholds: Mapping[str, Any]) -> None:
+        """Create the directory (the first time) and mark the run as running."""
+        self.create()
         self._meta = base_meta("running", metadata, thresholds, flush_every=self.flush_every,
                                 parts=self._parts)
         write_json(self.path / META_FILE, self._meta)
@@ -193,11 +202,23 @@ class RunWriter:
         self._cache.clear()
 
     def finish(self, records: pd.DataFrame, events: pd.DataFrame, findings: pd.DataFrame,
-               metadata: Mapping[str, Any], thresholds: Mapping[str, Any]) -> None:
-        """Write the findings and mark the run complete (after a final :meth:`flush`)."""
+               metadata: Mapping[str, Any], thresholds: Mapping[str, Any],
+               incomplete: str | None = None) -> None:
+        """Write the findings and mark the run finished (after a final :meth:`flush`).
+
+        Args:
+            records, events, findings: The whole run's frames (their column specs are stored).
+            metadata: Facts about the run.
+            thresholds: The thresholds of the run.
+            incomplete: Why some rows never reached the disk (a failed flush); the run is then
+                marked ``"incomplete"`` with this reason (``metadata["incomplete_reason"]``),
+                never ``"complete"``.
+        """
         _write_parquet(self.path / FINDINGS_FILE, frame_to_table(findings)[0])
         columns = _specs(records=records, events=events, findings=findings)
+        status, extra = "complete", {}
+        if incomplete is not None:
+            status, extra = "incomplete", {"incomplete_reason": incomplete}
         write_json(self.path / META_FILE, base_meta(
-            "complete", {**metadata, "finished": now()}, thresholds,
+            status, {**metadata, **extra, "finished": now()}, thresholds,
             flush_every=self.flush_every, parts=self._parts, columns=columns))
-

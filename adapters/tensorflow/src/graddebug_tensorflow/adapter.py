@@ -34,7 +34,7 @@ from graddebug_tensorflow.outputs import (
     unit_axis,
 )
 from graddebug_tensorflow.params import Param, ParamSet
-from graddebug_tensorflow.records import param_records, step_records
+from graddebug_tensorflow.records import handed_over, param_records, step_records
 from graddebug_tensorflow.stats import (
     Col,
     compiled,
@@ -57,6 +57,13 @@ except ImportError:  # pragma: no cover - older TF: treat every output as taped
 
 
 _COMPILED = ("train_function", "test_function", "predict_function")
+
+_NO_PARAM_GRADS = (
+    "graddebug: dbg.step() closed a step with no parameter gradients: TensorFlow keeps none on "
+    "the variables, so parameter rows need dbg.step(tape.gradient(loss, "
+    "model.trainable_variables)) or watch(model, optimizer=opt). Only layer outputs and taps "
+    "are recorded until then."
+)
 
 
 @dataclass
@@ -374,8 +381,12 @@ class TensorFlowAdapter(BaseAdapter):
                 return StepResult()
             acts, rows = self._buffers.read_and_clear()
             result = step_records(step, list(self._slots.values()), acts)
-            param_records(step, self._params.resolve(), rows, result, grads is not None,
-                          self._param_depth)
+            params = self._params.resolve()
+            # A backward reached the layers, yet no parameter gradient was handed over.
+            if (result.records and grads is None and params
+                    and not handed_over(rows, len(params))):
+                self._ctx.warn_once("no-param-grads", _NO_PARAM_GRADS)
+            param_records(step, params, rows, result, grads is not None, self._param_depth)
             return result
         finally:
             self._eager_calls.clear()

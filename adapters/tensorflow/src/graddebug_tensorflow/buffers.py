@@ -87,11 +87,15 @@ class StateBuffers:
         return acts[: self._rows], flat[split:].reshape(-1, PARAM_WIDTH)
 
     def peek(self) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(activation rows, parameter rows)`` without clearing them."""
-        acts = [v.numpy() for v in self._chunks]
-        params = self.params.numpy() if self.params is not None else np.zeros((0, PARAM_WIDTH))
-        stacked = np.concatenate(acts) if acts else np.zeros((0, ACT_WIDTH))
-        return stacked[: self._rows], params
+        """Return ``(activation rows, parameter rows)`` without clearing them, with one
+        transfer (not one per chunk: a model of thousands of layers has hundreds of chunks)."""
+        variables = self._variables()
+        if not variables:
+            return np.zeros((0, ACT_WIDTH)), np.zeros((0, PARAM_WIDTH))
+        flat = tf.concat([tf.reshape(v, [-1]) for v in variables], 0).numpy()
+        split = len(self._chunks) * CHUNK * ACT_WIDTH
+        return flat[:split].reshape(-1, ACT_WIDTH)[: self._rows], \
+            flat[split:].reshape(-1, PARAM_WIDTH)
 
     def clear(self) -> None:
         """Zero every buffer (without reading it on steps that ``every=`` skips)."""

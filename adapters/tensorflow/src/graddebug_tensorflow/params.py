@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from graddebug.errors import ConfigError, GradientCountError
@@ -36,6 +37,36 @@ def _param_rows(grads: list[Any], full: bool) -> tf.Tensor:
 
 
 _rows = compiled(_param_rows)
+
+
+def _check_given(position: int, grad: Any, var: Any, what: str) -> None:
+    """Check one gradient handed to ``step(grads)`` against its variable.
+
+    Raises:
+        GradientCountError: It is not a tensor (nor None), or its shape or dtype differs.
+    """
+    if grad is None:
+        return
+    name = getattr(var, "path", None) or getattr(var, "name", "?")
+    where = f"step() gradient #{position} (for variable {name!r})"
+    if isinstance(grad, tf.IndexedSlices):  # sparse (an embedding): its dense shape counts
+        shape, dtype = grad.dense_shape, grad.values.dtype
+        static = tf.get_static_value(shape)
+        got = tuple(int(d) for d in static) if static is not None else None
+    elif isinstance(grad, (tf.Tensor, tf.Variable, keras.Variable, np.ndarray)):
+        got, dtype = tuple(grad.shape), tf.as_dtype(grad.dtype)
+    else:
+        raise GradientCountError(
+            f"{where} is a {type(grad).__name__}, not a tensor or None; pass "
+            f"tape.gradient(loss, {what.split(' ')[0]}), in that order."
+        )
+    expected = (tuple(var.shape), tf.as_dtype(var.dtype))
+    if (got is not None and got != expected[0]) or dtype != expected[1]:
+        raise GradientCountError(
+            f"{where} has shape {got} and dtype {dtype.name}, but the variable has shape "
+            f"{expected[0]} and dtype {expected[1].name}; pass "
+            f"tape.gradient(loss, {what.split(' ')[0]}), in that order."
+        )
 
 
 class ParamSet:
@@ -112,15 +143,19 @@ class ParamSet:
         """Write the rows of gradients handed to ``step(grads)``.
 
         Raises:
-            GradientCountError: ``grads`` does not align with the variables.
+            GradientCountError: ``grads`` does not align with the variables: another count,
+                an entry that is not a tensor, or one whose shape or dtype differs from its
+                variable's (a list in the wrong order).
         """
         params = self.resolve()
+        what = "params= entries" if self._given else "model.trainable_variables"
         if len(grads) != len(self.aligned):
-            what = "params= entries" if self._given else "model.trainable_variables"
             raise GradientCountError(
                 f"step() got {len(grads)} gradients but there are {len(self.aligned)} "
                 f"{what}; pass tape.gradient(loss, {what.split(' ')[0]}) in that order."
             )
+        for position, (grad, var) in enumerate(zip(grads, self.aligned, strict=True)):
+            _check_given(position, grad, var, what)
         self._store([(i, grads[p.index]) for i, p in enumerate(params)])
 
     def _store(self, pairs: list[tuple[int, Any]]) -> tf.Tensor:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from graddebug_tensorflow.outputs import Slot
     from graddebug_tensorflow.params import Param
 
-__all__ = ["param_records", "step_records"]
+__all__ = ["handed_over", "param_records", "step_records"]
 
 
 def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray) -> StepResult:
@@ -80,6 +80,12 @@ def _activation(step: int, layer: str, tname: str, depth: int,
     )
 
 
+def handed_over(rows: np.ndarray, count: int) -> bool:
+    """Whether the source row (after ``count`` parameter rows) says that gradients were handed
+    over in the step, by the optimizer or ``step(grads)``."""
+    return bool(len(rows) > count and rows[count, 0] > 0)
+
+
 def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: StepResult,
                   source: bool, depth: Callable[[Param], int]) -> None:
     """Add the records of parameter gradients to ``result``.
@@ -94,7 +100,7 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
             row after the parameter rows says the same from inside a graph.
         depth: The depth of a parameter's layer.
     """
-    source = source or bool(len(rows) > len(params) and rows[len(params), 0] > 0)
+    source = source or handed_over(rows, len(params))
     for p, row in zip(params, rows, strict=False):
         if row[0] <= 0:
             if source:

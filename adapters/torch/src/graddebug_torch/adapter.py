@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -20,6 +21,12 @@ from graddebug.capture.layers import (
 )
 from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind
+from graddebug_torch.guards import (
+    FUNCTORCH_WARNING,
+    ModuleOwners,
+    check_mask_device,
+    in_functorch_transform,
+)
 from graddebug_torch.params import (
     TorchParam,
     check_optimizer,
@@ -27,6 +34,7 @@ from graddebug_torch.params import (
     model_params,
     param_rows,
 )
+from graddebug_torch.staging import SMALL_NUMEL, SmallGrads
 from graddebug_torch.stats import (
     acc_dtype,
     apply_intervention,
@@ -34,7 +42,14 @@ from graddebug_torch.stats import (
     unit_extremes,
     whole_absmax,
 )
-from graddebug_torch.step import Capture, ParamGrad, StepCaptures, gather
+from graddebug_torch.step import (
+    Capture,
+    ParamGrad,
+    StepCaptures,
+    gather,
+    kept_array,
+    shape_text,
+)
 from graddebug_torch.valueflow import ValueFlow, needs_value_flow
 
 __all__ = ["TorchAdapter"]
@@ -64,7 +79,8 @@ def _unit_dim(ndim: int, channels_first: bool) -> int | None:
 
 
 def _flatten(value: Any, path: str = "output") -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor in a (nested) tuple, list or dict output."""
+    """Yield ``(name, tensor)`` for every tensor in a (nested) tuple, list, dict or dataclass
+    output; a dataclass field is named like a dict key (``output.field``)."""
     if isinstance(value, Tensor):
         yield path, value
     elif isinstance(value, (tuple, list)):
@@ -73,6 +89,9 @@ def _flatten(value: Any, path: str = "output") -> Iterator[tuple[str, Tensor]]:
     elif isinstance(value, Mapping):
         for key, item in value.items():
             yield from _flatten(item, f"{path}.{key}")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _flatten(getattr(value, f.name), f"{path}.{f.name}")
 
 
 def _any_requires_grad(value: Any) -> bool:
@@ -80,7 +99,8 @@ def _any_requires_grad(value: Any) -> bool:
 
 
 def _owns_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
+    # Module._parameters directly: parameters(recurse=False) builds a generator chain per call.
+    return any(p is not None for p in module._parameters.values())
 
 
 def _fits(out: Any, grad: Tensor) -> bool:
@@ -115,6 +135,9 @@ class TorchAdapter(BaseAdapter):
         self._params: list[TorchParam] = []
         self._handles: list[RemovableHandle] = []
         self._state = StepCaptures()
+        self._staging = SmallGrads()
+        self._owners = ModuleOwners()
+        self._grad_hooks: dict[tuple[str, str], Callable[[Tensor], Tensor | None]] = {}
         self._was_training: bool | None = None
         # The ValueFlows of module calls in progress, and of each module's last finished call.
         self._flows: dict[int, list[ValueFlow | None]] = {}
@@ -161,6 +184,9 @@ class TorchAdapter(BaseAdapter):
     def attach(self) -> None:
         """Register one forward hook per watched module and one post-accumulate hook per
         watched parameter."""
+        for name, spec in self._options.intervene.items():
+            check_mask_device(spec, name)
+        self._owners.claim(self._modules, type(self._model).__name__)
         if self._model is not None:
             self._was_training = self._model.training
         for name, module in self._modules.items():
@@ -193,14 +219,16 @@ class TorchAdapter(BaseAdapter):
         self._handles.clear()
         self._flows.clear()
         self._finished.clear()
+        self._owners.release()
         self._drop_step()
+        self._staging = SmallGrads()  # the staging buffers go with the hooks
         if self._model is not None and self._was_training is not None:
             self._model.train(self._was_training)
 
     def has_pending(self) -> bool:
         """Whether the open step captured anything, or holds gradients nobody recorded."""
         state = self._state
-        if state.touched or state.captures or state.expected:
+        if state.touched or state.captures or state.expected or state.transformed:
             return True
         return self._ctx.step_index == 0 and any(p.param.grad is not None for p in self._params)
 
@@ -253,7 +281,11 @@ class TorchAdapter(BaseAdapter):
                 f"tap({type(tensor).__name__}, {name!r}): the torch adapter taps torch.Tensor "
                 "objects only."
             )
+        check_mask_device(intervention, name)
         layer = self._tap_layer(name, intervention)
+        if in_functorch_transform():
+            self._skip_transformed()
+            return tensor
         if not self._ctx.recording or not torch.is_grad_enabled():
             self._intervene_unrecorded(tensor, intervention, name)
             return tensor
@@ -261,13 +293,12 @@ class TorchAdapter(BaseAdapter):
             layer.depth = self._take_depth()
         state = self._state
         if not tensor.requires_grad:
-            if state.tap_requires_grad:
-                state.events.append(
-                    Event(self._ctx.step_index, name, "output", layer.depth,
-                          EventKind.DETACHED_OUTPUT.value,
-                          "the tapped tensor does not require a gradient although an earlier "
-                          "tap did, so the graph was cut between them")
-                )
+            detail = ("the tapped tensor does not require a gradient although an earlier tap "
+                      "did, so the graph was cut between them") if state.tap_requires_grad else (
+                "the tapped tensor does not require a gradient, so none can reach it: it was "
+                "cut from the graph (.detach(), no_grad, a numpy round trip) or never needed one")
+            state.events.append(Event(self._ctx.step_index, name, "output", layer.depth,
+                                      EventKind.DETACHED_OUTPUT.value, detail))
             return tensor
         state.tap_requires_grad = True
         self._watch_tensor(layer, "output", tensor)
@@ -283,6 +314,11 @@ class TorchAdapter(BaseAdapter):
         state = self._state
         state.touched = True
         if not self._ctx.recording or grad is None:
+            return
+        if grad.numel() <= SMALL_NUMEL:
+            # Small gradients are left to the batched pass at the step's close (one kernel a
+            # shape); a kernel each here would cost more than the data.
+            state.received[index] = ParamGrad(grad, None, grad._version)
             return
         with self._fail_open(self._params[index].layer):
             dense = not grad.is_sparse and grad.is_contiguous()
@@ -314,9 +350,17 @@ class TorchAdapter(BaseAdapter):
         self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         self._handles.append(module.register_forward_hook(leave, prepend=True, always_call=True))
 
+    def _skip_transformed(self) -> None:
+        """A forward or a tap inside a ``torch.func`` transform: skipped, with one warning."""
+        self._state.transformed = True
+        self._ctx.warn_once("functorch", FUNCTORCH_WARNING)
+
     def _on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
         flow = self._finished.pop(id(module), None)
         ctx = self._ctx
+        if in_functorch_transform():
+            self._skip_transformed()
+            return
         if not ctx.recording or not torch.is_grad_enabled():
             if layer.intervention is not None:  # keep unrecorded steps free of work otherwise
                 for _, tensor in _flatten(output):
@@ -356,7 +400,9 @@ class TorchAdapter(BaseAdapter):
         if not tensor.requires_grad:
             return
         state.expected.setdefault(key, layer.depth)
-        hook = functools.partial(self._on_grad, layer, tname)
+        hook = self._grad_hooks.get(key)
+        if hook is None:  # one per output, reused every step
+            hook = self._grad_hooks[key] = functools.partial(self._on_grad, layer, tname)
         state.handles.append(tensor.register_hook(hook))
 
     def _intervene_unrecorded(self, tensor: Tensor, spec: Intervention | None,
@@ -384,21 +430,31 @@ class TorchAdapter(BaseAdapter):
         seen = new if new is not None else grad
         if seen.is_sparse:
             seen = seen.coalesce().values()
-        extremes = unit_extremes(seen, _unit_dim(seen.dim(), layer.channels_first))
-        capture = Capture(
-            sq=square_sum(seen),
-            total=seen.sum(dtype=acc_dtype(seen)),
-            extremes=extremes,
-            absmax=whole_absmax(seen) if extremes is None else None,
-            shape=str(tuple(seen.shape)),
-            numel=seen.numel(),
-            pre_sq=square_sum(grad) if new is not None else None,
-        )
-        calls = self._state.captures.setdefault((layer.name, tname), [])
+        unit_dim = _unit_dim(seen.dim(), layer.channels_first)
+        if new is None and SmallGrads.fits(seen):
+            capture = Capture.pending(
+                self._staging.put(seen, unit_dim), shape_text(seen.shape), seen.numel(),
+                seen.shape[unit_dim] if unit_dim is not None else 0)
+        else:
+            extremes = unit_extremes(seen, unit_dim)
+            capture = Capture(
+                sq=square_sum(seen),
+                total=seen.sum(dtype=acc_dtype(seen)),
+                extremes=extremes,
+                absmax=whole_absmax(seen) if extremes is None else None,
+                shape=shape_text(seen.shape),
+                numel=seen.numel(),
+                pre_sq=square_sum(grad) if new is not None else None,
+                n_units=0 if extremes is None else extremes[0].numel(),
+            )
+        key = (layer.name, tname)
+        calls = self._state.captures.get(key)
+        if calls is None:
+            calls = self._state.captures[key] = []
         calls.append(capture)
         if layer.keep:
             label = keep_label(layer.name, tname, len(calls) - 1)
-            self._state.kept[label] = seen.detach().cpu().numpy().copy()
+            self._state.kept[label] = kept_array(new if new is not None else grad)
 
     # -- closing a step ---------------------------------------------------------------------
 
@@ -406,6 +462,7 @@ class TorchAdapter(BaseAdapter):
         for handle in self._state.handles:
             handle.remove()
         self._state = StepCaptures()
+        self._staging.clear()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Turn the step's captures into records with one host transfer, then reset."""
@@ -417,9 +474,15 @@ class TorchAdapter(BaseAdapter):
             rows = param_rows(self._params, state.received, grads, state.changed_in_place,
                               self._param_depth)
             return gather(step, state, rows, depths,
-                          full=self._options.param_stats == "full")
+                          full=self._options.param_stats == "full", staging=self._staging)
         finally:
             self._drop_step()
 
     def _param_depth(self, param: TorchParam) -> int:
-        return self._depth_of(self._name(n) for n in param.owner_chain)
+        if param.depth >= 0:
+            return param.depth
+        depth = self._depth_of(self._name(n) for n in param.owner_chain)
+        owner = self._layers.get(self._name(param.owner_chain[0]))
+        if owner is not None and owner.depth >= 0:  # the owner's own depth never changes
+            param.depth = depth
+        return depth

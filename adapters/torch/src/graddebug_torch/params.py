@@ -26,6 +26,7 @@ class TorchParam:
         param: The tensor.
         owner_chain: The owner module's qualified name, then those of its ancestors.
         keep: Its full gradient is kept (``keep=`` names its layer).
+        depth: Its depth, once its owner module ran forward (-1 until then).
     """
 
     layer: str
@@ -33,6 +34,7 @@ class TorchParam:
     param: Tensor
     owner_chain: tuple[str, ...]
     keep: bool = False
+    depth: int = -1
 
 
 def ancestors(qualified: str) -> Iterator[str]:
@@ -107,6 +109,30 @@ def check_optimizer(optimizer: Any, params: Sequence[TorchParam]) -> torch.optim
     return optimizer
 
 
+def _check_given(position: int, param: TorchParam, grad: Any) -> None:
+    """Check one gradient handed to ``step(grads)`` against its parameter.
+
+    Raises:
+        GradientCountError: It is not a tensor (nor None), or its shape or dtype differs from
+            the parameter's: the list is in the wrong order or belongs to other parameters.
+    """
+    if grad is None:
+        return
+    where = f"step() gradient #{position} (for {param.layer}.{param.tensor})"
+    if not isinstance(grad, Tensor):
+        raise GradientCountError(
+            f"{where} is a {type(grad).__name__}, not a torch.Tensor or None; pass the "
+            "gradients in named_parameters() order, e.g. [p.grad for p in model.parameters()]."
+        )
+    expected = (tuple(param.param.shape), param.param.dtype)
+    if (tuple(grad.shape), grad.dtype) != expected:
+        raise GradientCountError(
+            f"{where} has shape {tuple(grad.shape)} and dtype {grad.dtype}, but the parameter "
+            f"has shape {expected[0]} and dtype {expected[1]}; the gradients must come in "
+            "named_parameters() order (those with requires_grad=True), one per parameter."
+        )
+
+
 def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad],
                grads: Sequence[Any] | None, stale: bool,
                depth_of: Callable[[TorchParam], int]) -> list[ParamRow]:
@@ -131,6 +157,8 @@ def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad],
                 f"step() got {len(grads)} gradients but {len(live)} parameters are "
                 "watched (those with requires_grad=True, in named_parameters() order)."
             )
+        for position, ((_, p), g) in enumerate(zip(live, grads, strict=True)):
+            _check_given(position, p, g)
         return [ParamRow(p.layer, p.tensor, depth_of(p), g, None, p.keep)
                 for (_, p), g in zip(live, grads, strict=True)]
     rows = []
