@@ -53,7 +53,7 @@ def test_softmax_head_loss_is_computed_from_the_logits_as_unwatched():
     model = softmax_head()
     with graddebug.watch(model) as dbg:
         loss, grads = loss_and_grad_norm(model, x, y)
-        dbg.step()
+        dbg.step([tf.constant(g) for g in grads])
     # The logits rule, written out in numpy: mean(logsumexp(z) - z[y]).
     z = model.get_layer("hidden")(x).numpy() @ model.get_layer("predictions").kernel.numpy()
     z += model.get_layer("predictions").bias.numpy()
@@ -71,8 +71,7 @@ def test_the_head_records_the_gradient_its_loss_sends_to_the_logits():
     with graddebug.watch(model) as dbg:
         with tf.GradientTape() as tape:
             loss = keras.losses.SparseCategoricalCrossentropy()(y, model(x, training=True))
-        tape.gradient(loss, model.trainable_variables)
-        dbg.step()
+        dbg.step(tape.gradient(loss, model.trainable_variables))
     # d loss / d logits of mean cross-entropy is (softmax(z) - onehot(y)) / n.
     z = model.get_layer("hidden")(x).numpy() @ model.get_layer("predictions").kernel.numpy()
     z += model.get_layer("predictions").bias.numpy()
@@ -136,7 +135,7 @@ def test_tape_loop_on_a_softmax_head_is_bitwise_unchanged_by_watching():
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             if dbg is not None:
-                dbg.step()
+                dbg.step(grads)
         return [w.copy() for w in model.get_weights()]
 
     plain = train(softmax_head())
@@ -155,8 +154,8 @@ def test_a_huge_softmax_kernel_explodes_rather_than_dies():
     _, plain_grads = loss_and_grad_norm(model, x, y)
     assert np.linalg.norm(plain_grads[0]) > 1e4  # the logits rule keeps the gradient alive
     with graddebug.watch(model) as dbg:
-        loss_and_grad_norm(model, x, y)
-        dbg.step()
+        _, grads = loss_and_grad_norm(model, x, y)
+        dbg.step([tf.constant(g) for g in grads])
     issues = set(dbg.findings()["issue"])
     assert "exploding" in issues
     assert "dead" not in issues
@@ -173,12 +172,12 @@ def test_a_parameter_free_first_layer_is_not_a_cut(compiled):
             loss = keras.losses.SparseCategoricalCrossentropy()(y, model(x, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return grads
 
     run = tf.function(step) if compiled else step
     with graddebug.watch(model) as dbg:
         for _ in range(2):
-            run()
-            dbg.step()
+            dbg.step(run())
     assert dbg.findings().empty
     frame = dbg.frame()
     assert "conv" in set(frame.loc[frame["kind"] == "activation", "layer"])
