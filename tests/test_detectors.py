@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -11,7 +13,7 @@ from graddebug import Thresholds
 from graddebug.detectors import Evidence
 from graddebug.frames import event_frame, finding_frame, record_frame
 from graddebug.plugins import new_plugin_manager
-from graddebug.records import Event, EventKind
+from graddebug.records import Event, EventKind, Record
 
 
 def diagnose(records, events=(), **thresholds) -> pd.DataFrame:
@@ -121,7 +123,16 @@ def test_gradual_explosion_names_the_farthest_layer() -> None:
 def test_exploding_magnitude_without_a_depth_profile() -> None:
     found = diagnose([make_record(0, "w", 0, 5e5, kind="parameter", tensor="weight")])
     assert list(found["layer"]) == ["w"]
-    assert found["value"].item() == pytest.approx(5e5)
+    assert found["value"].item() == pytest.approx(5e5 / math.sqrt(32))  # RMS of 32 entries
+
+
+def test_exploding_magnitude_is_judged_per_entry() -> None:
+    """A large healthy tensor's norm passes 1e4 by size alone; per entry it is small."""
+    big = Record(0, "conv1", "kernel", "parameter", 0, "(7, 7, 3, 64)", 9408, 1.9e5, 0.0,
+                 1.9e5 / math.sqrt(9408), 50.0, math.nan, False, False)
+    assert diagnose([big]).empty
+    hot = big._replace(norm=1.9e5 * 100)  # about 2e5 per entry
+    assert list(diagnose([hot])["issue"]) == ["exploding"]
 
 
 def test_nonfinite_steps_give_no_dead_or_ratio_findings() -> None:

@@ -34,6 +34,19 @@ def padded_cnn(seed: int = 0) -> keras.Sequential:
     ])
 
 
+def bn_cnn(seed: int = 0) -> keras.Sequential:
+    """Conv, BatchNormalization, ReLU twice, as in ResNet50: in a graph TF fuses a batch norm's
+    backward with its neighbours unless something else reads its tensors."""
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((8, 8, 3))]
+    for i, width in enumerate((8, 16)):
+        layers += [keras.layers.Conv2D(width, 3, padding="same", name=f"conv{i}"),
+                   keras.layers.BatchNormalization(name=f"bn{i}"),
+                   keras.layers.Activation("relu", name=f"relu{i}")]
+    return keras.Sequential([*layers, keras.layers.GlobalAveragePooling2D(name="gap"),
+                             keras.layers.Dense(10, activation="softmax", name="predictions")])
+
+
 def data(shape: tuple[int, ...] = (8,), n: int = 32, scale: float = 30.0):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((n, *shape)) * scale).astype(np.float32)
@@ -110,7 +123,8 @@ def fit_weights(model_fn, x, y, watch: bool, steps: int = 4):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_fn, shape", [(softmax_head, (8,)), (padded_cnn, (8, 8, 3))])
+@pytest.mark.parametrize("model_fn, shape", [(softmax_head, (8,)), (padded_cnn, (8, 8, 3)),
+                                             (bn_cnn, (8, 8, 3))])
 def test_fit_on_a_softmax_head_is_bitwise_unchanged_by_watching(model_fn, shape):
     x, y = data(shape, scale=30.0)
     first, _ = fit_weights(model_fn, x, y, watch=False)
@@ -188,3 +202,29 @@ def test_fit_with_a_parameter_free_first_layer_finds_nothing():
     x, y = data((8, 8, 3), n=16, scale=1.0)
     _, dbg = fit_weights(padded_cnn, x, y, watch=True, steps=2)
     assert dbg.findings().empty
+
+
+def test_in_a_graph_batch_norms_are_left_unread_and_eager_steps_record_them():
+    """What keeps fit bitwise (above) costs the batch norms' output rows in graphs only: eager
+    steps record them; a compiled step does not, and says nothing of them (no cut). Gradients
+    handed to dbg.step() are measured outside the graph, so gamma and beta keep their rows."""
+    x, y = data((8, 8, 3), n=8, scale=1.0)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    for compiled in (False, True):
+        model = bn_cnn()
+
+        def step(model=model):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            return tape.gradient(loss, model.trainable_variables)
+
+        run = tf.function(step) if compiled else step
+        with graddebug.watch(model) as dbg:
+            dbg.step(run())
+        frame = dbg.frame()
+        bn = frame[frame["layer"].str.startswith("bn")]
+        tensors = ("gamma", "beta") if compiled else ("output", "gamma", "beta")
+        assert set(zip(bn["layer"], bn["tensor"], strict=True)) == {
+            (f"bn{i}", t) for i in (0, 1) for t in tensors}
+        assert dbg.findings().empty and dbg.events().empty
+        assert {"conv0", "relu0", "conv1", "relu1", "predictions"} <= set(frame["layer"])

@@ -307,7 +307,7 @@ def test_a_huge_last_layer_weight_is_named_as_the_source_of_the_explosion() -> N
     assert found["layer"].item() == "fc"
     message = found["message"].item()
     assert "in the backward of 'fc'" in message and "the output of 'pool'" in message
-    assert "7 layer(s) below it" in message  # conv1 .. pool, counted
+    assert "Below it, 7 layer(s)" in message  # conv1 .. pool, counted
 
 
 def test_a_huge_projection_is_named_where_the_gradient_vanishes_behind_it() -> None:

@@ -66,7 +66,10 @@ class Thresholds:
             reach 0.79-0.89 per layer, but none a ratio below 0.03).
         vanishing_floor: Vanishing when a layer's median norm over steps is positive but below
             this (the TorchLens/DeepDiagnosis absolute rule, 1e-7).
-        exploding_norm: Exploding when a gradient norm exceeds this (TorchLens, 1e4).
+        exploding_norm: Exploding when a gradient's root mean square per entry
+            (norm/sqrt(numel)) exceeds this (TorchLens' 1e4, applied per entry: as a norm it
+            fires on healthy large tensors by size alone, e.g. 1.9e5 on ResNet50's first
+            kernel, whose RMS is 2e3).
         exploding_ratio: Exploding when ``rms(first) / rms(last)`` exceeds this
             (AUTOTRAINER, 70) ...
         exploding_gain: ... and the ratio is at least this factor per layer in between (1.15:

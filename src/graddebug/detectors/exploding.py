@@ -30,12 +30,18 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     """Flag gradients that are huge, that grow with distance from the loss, or over time."""
     if evidence.clean.empty:
         return []
+    # The relative rule first: where both name a layer, its message counts every victim.
+    candidates = [*_depth(evidence, thresholds), *_magnitude(evidence, thresholds),
+                  *_growth(evidence, thresholds)]
+    if not candidates:
+        return []
+    # Only the first explosion has a meaningful source: the update it causes scales up weights
+    # everywhere, and what later steps show are its victims (as for NaN, see nonfinite).
+    first = min(c.step for c in candidates)
     # One finding per layer: the rule that saw it first.
     found: dict[str, Finding] = {}
-    for candidate in (*_magnitude(evidence, thresholds), *_depth(evidence, thresholds),
-                      *_growth(evidence, thresholds)):
-        known = found.get(candidate.layer)
-        if known is None or candidate.step < known.step:
+    for candidate in candidates:
+        if candidate.step == first and candidate.layer not in found:
             found[candidate.layer] = candidate
     return list(found.values())
 
@@ -47,16 +53,20 @@ def _others(count: int) -> str:
 def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     limit = thresholds.exploding_norm
     rows = evidence.clean
-    norm = rows["norm"].to_numpy(dtype=float)
-    big = rows[np.isfinite(norm) & (norm > limit)]
+    # Per entry (root mean square), not the norm: the norm of a healthy large tensor (the first
+    # conv kernel of a ResNet50 fed caffe-style inputs, 1.9e5) passes the limit by size alone.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rms = rows["norm"].to_numpy(dtype=float) / np.sqrt(rows["numel"].to_numpy(dtype=float))
+    over = np.isfinite(rms) & (rms > limit)
+    big = rows[over].assign(rms=rms[over])
     if big.empty:
         return []
     per_layer = big.groupby("layer", sort=False).agg(
-        worst=("norm", "max"), step=("step", "min"), depth=("depth", "min")
+        worst=("rms", "max"), step=("step", "min"), depth=("depth", "min")
     )
     worst_layer = str(per_layer["worst"].idxmax())
-    worst_row = big.loc[big["norm"].idxmax()]
-    worst, first = float(worst_row["norm"]), int(per_layer["step"].min())
+    worst_row = big.loc[big["rms"].idxmax()]
+    worst, first = float(worst_row["rms"]), int(per_layer["step"].min())
     steps, total = int(big["step"].nunique()), evidence.clean_steps()
     norms = evidence.layer_norms()
     step_rows = profile(norms[norms["step"] == first])
@@ -66,8 +76,9 @@ def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
         message = (
             f"gradient explodes in the backward of {jump.layer!r}: the gradient at its input "
             f"(the output of {jump.below!r}) is {fmt(jump.gain)} times the one at its output "
-            f"(per entry), and {victims} layer(s) below it get gradient norms above "
-            f"{limit:g} (up to {fmt(worst)} at {worst_layer!r}) in {steps} of {total} steps. "
+            f"(per entry), and {victims} layer(s) below it get gradients above {limit:g} per "
+            f"entry (root mean square, up to {fmt(worst)} at {worst_layer!r}) in {steps} of "
+            f"{total} steps. "
             f"A weight of {jump.layer!r} far too large does this. {_ADVICE}"
         )
         return [finding(Issue.EXPLODING, Severity.WARNING, first, jump.layer, message,
@@ -75,8 +86,9 @@ def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     others = len(per_layer) - 1
     also = f"; {_others(others)} exceed it too" if others else ""
     message = (
-        f"gradient explodes at {worst_layer!r} ({worst_row['tensor']}): norm up to "
-        f"{fmt(worst)}, above {limit:g}, in {steps} of {total} steps{also}. {_ADVICE}"
+        f"gradient explodes at {worst_layer!r} ({worst_row['tensor']}): up to {fmt(worst)} "
+        f"per entry (root mean square), above {limit:g}, in {steps} of {total} steps{also}. "
+        f"{_ADVICE}"
     )
     return [finding(Issue.EXPLODING, Severity.WARNING, per_layer.loc[worst_layer, "step"],
                     worst_layer, message, tensor=worst_row["tensor"], value=worst,
@@ -84,12 +96,13 @@ def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
 
 
 def _explains(source: str, step_rows: pd.DataFrame, big: set[str]) -> bool:
-    """Whether the layers over the limit are exactly those upstream of ``source``."""
+    """Whether every layer over the limit lies upstream of ``source`` (the jump across
+    ``source``'s backward explains them; per entry, some upstream ones may stay below it)."""
     layers = [str(layer) for layer in step_rows["layer"]]
     if source not in layers:
         return False
     at = layers.index(source)
-    return set(layers[:at]) <= big and not big & set(layers[at:])
+    return bool(big & set(layers[:at])) and not big & set(layers[at:])
 
 
 def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:

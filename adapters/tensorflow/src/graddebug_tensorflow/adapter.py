@@ -120,11 +120,20 @@ class TensorFlowAdapter(BaseAdapter):
             self._targets = self._add_layers(
                 self._index.named, self._index.select(options.layers),
                 lambda layer: getattr(layer, "data_format", None) == "channels_first")
+        # In a graph, TF's optimizer fuses a BatchNormalization with the op that follows it (and
+        # their gradients likewise); an identity between them stops that, and the fused and
+        # unfused kernels round differently: the weights of a watched ResNet50 under fit would
+        # differ in their last bits. So in a graph, batch norms are recorded by their
+        # parameters only, unless the user asked for their outputs (layers=, keep=, intervene=).
+        self._graph_unwrapped = {
+            name for name, target in self._targets.items()
+            if isinstance(target, keras.layers.BatchNormalization) and options.layers is None
+            and not self._layers[name].keep and self._layers[name].intervention is None}
         self._add_param_keys(params or {})
         self._params = ParamSet(
             self._buffers, self._index, params or {},
             None if options.layers is None else list(self._targets),
-            options.keep, options.param_stats == "full",
+            options.keep, options.param_stats == "full", graph_unread=self._graph_unwrapped,
         )
 
     # -- Adapter protocol ---------------------------------------------------------------
@@ -258,6 +267,8 @@ class TensorFlowAdapter(BaseAdapter):
             if not any(differentiable(t) for t in leaves):
                 return output  # symbolic (KerasTensor) or integer outputs
             eager = tf.executing_eagerly()
+            if not eager and layer.name in self._graph_unwrapped:
+                return output
             # An output no tape watches gets no gradient: nothing will differentiate it (an
             # eager forward nobody differentiates), or it does not depend on any trainable
             # variable (a parameter-free first layer such as ZeroPadding2D, traced by ``fit``).

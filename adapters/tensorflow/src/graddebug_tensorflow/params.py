@@ -15,7 +15,7 @@ from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.stats import PARAM_WIDTH, compiled, param_row
 
-__all__ = ["Param", "ParamSet"]
+__all__ = ["UNMEASURED", "Param", "ParamSet"]
 
 
 @dataclass
@@ -29,6 +29,11 @@ class Param:
     chain: tuple[str, ...]  # its layer, then the layers that contain it
     keep: bool
     keep_var: tf.Variable | None = None
+    graph_unread: bool = False  # inside a graph, its gradient is not read (see ParamSet)
+
+
+UNMEASURED = 2.0
+"""Column 0 of a parameter row whose gradient was present but deliberately not read."""
 
 
 def _param_rows(grads: list[Any], full: bool) -> tf.Tensor:
@@ -86,7 +91,8 @@ class ParamSet:
 
     def __init__(self, buffers: StateBuffers, index: LayerIndex | None,
                  given: Mapping[str, Any], chosen: Collection[str] | None,
-                 keep: Collection[str], full: bool) -> None:
+                 keep: Collection[str], full: bool,
+                 graph_unread: Collection[str] = ()) -> None:
         for key, value in given.items():
             if not isinstance(value, (tf.Variable, keras.Variable)):
                 raise ConfigError(
@@ -99,6 +105,7 @@ class ParamSet:
         self._chosen = None if chosen is None else set(chosen)
         self._keep = set(keep)
         self._full = full
+        self._graph_unread = set(graph_unread)
         self._params: list[Param] | None = None
         self._positions: dict[int, int] = {}
         self.aligned: list[Any] = []
@@ -120,7 +127,8 @@ class ParamSet:
             chain = (layer, *(self._index.ancestors(layer) if self._index else ()))
             if self._chosen is not None and not self._chosen.intersection(chain):
                 continue
-            params.append(Param(layer, short, var, position, chain, keep=layer in self._keep))
+            params.append(Param(layer, short, var, position, chain, keep=layer in self._keep,
+                                graph_unread=layer in self._graph_unread))
         if params:
             with tf.init_scope():
                 for p in params:
@@ -159,15 +167,25 @@ class ParamSet:
         self._store([(i, grads[p.index]) for i, p in enumerate(params)])
 
     def _store(self, pairs: list[tuple[int, Any]]) -> tf.Tensor:
-        present = [(i, g) for i, g in pairs if g is not None]
         buffer = self._buffers.params
         if buffer is None or self._params is None:
             return tf.constant(False)
-        source = tf.constant([[1.0] + [0.0] * (PARAM_WIDTH - 1)], tf.float64)
-        rows = tf.concat([_rows([g for _, g in present], self._full), source], 0) \
-            if present else source
+        params = self._params
+        present = [(i, g) for i, g in pairs if g is not None]
+        unread: list[int] = []
+        if not tf.executing_eagerly():
+            # A second reader of a batch norm's gamma/beta gradient inside the user's graph
+            # stops TF's optimizer from fusing that backward as it does unwatched: the weights
+            # would differ in their last bits. Those rows say "present, not measured".
+            unread = [i for i, _ in present if params[i].graph_unread]
+            present = [(i, g) for i, g in present if not params[i].graph_unread]
+        marks = tf.constant([[1.0] + [0.0] * (PARAM_WIDTH - 1)] * (1 + len(unread)), tf.float64)
+        marks = marks * tf.constant([[1.0]] + [[UNMEASURED]] * len(unread), tf.float64)
+        rows = tf.concat([_rows([g for _, g in present], self._full), marks], 0) \
+            if present else marks
         # One op writes the rows and marks the source row, in eager mode and in a graph alike.
-        buffer.scatter_nd_update([[i] for i, _ in present] + [[len(self._params)]], rows)
+        buffer.scatter_nd_update(
+            [[i] for i, _ in present] + [[len(params)]] + [[i] for i in unread], rows)
         for i, g in present:
             keep_var = self._params[i].keep_var
             if keep_var is not None:

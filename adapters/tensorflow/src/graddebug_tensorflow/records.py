@@ -11,6 +11,7 @@ import numpy as np
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import keep_label
 from graddebug.records import Event, EventKind, Kind, Record
+from graddebug_tensorflow.params import UNMEASURED
 from graddebug_tensorflow.stats import Col
 
 if TYPE_CHECKING:
@@ -102,6 +103,8 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
     """
     source = source or handed_over(rows, len(params))
     for p, row in zip(params, rows, strict=False):
+        if row[0] >= UNMEASURED:
+            continue  # present, not read inside a graph (a batch norm's: see ParamSet)
         if row[0] <= 0:
             if source:
                 result.events.append(Event(step, p.layer, p.tensor, depth(p),
