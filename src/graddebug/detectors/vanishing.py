@@ -88,6 +88,11 @@ def _floor(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     )
     collapse, recovery = _collapse(medians.reset_index(), thresholds.source_share, low)
     if collapse is None:
+        if str(medians.index[0]) not in low.index:
+            # The first layer gets a healthy gradient: the tiny layers are side branches the
+            # gradient bypasses on its way to the input (ConvNeXt's blocks, scaled by a learned
+            # 1e-6 at initialisation), not a gradient that vanishes before reaching it.
+            return []
         first = str(low.index[0])
         message = f"gradient at {first!r} is vanishingly small: {scope}. {_ADVICE}"
         return [finding(Issue.VANISHING, Severity.WARNING, low.loc[first, "step"], first,
