@@ -92,6 +92,16 @@ def test_floor_names_where_the_gradient_collapses_and_where_it_is_restored() -> 
     assert "3 layer(s)" in message
 
 
+def test_a_collapsed_band_wider_than_the_floor_still_names_its_source() -> None:
+    # As in GPT-2 with one projection x1e6: only two layers of the collapsed band fall below
+    # the 1e-7 floor, the others sit near 1e-6, still a million times below both ends.
+    norms = [1.0, 1.1, 2e-6, 3e-8, 1e-6, 5e-8, 2e-6, 0.9, 1.0]
+    found = diagnose([r for s in range(3) for r in chain(s, norms)])
+    floor = found[found["message"].str.contains("restored")]
+    assert list(floor["layer"]) == ["l2"]  # its backward restores the gradient
+    assert "in the backward of 'l7'" in floor["message"].item()
+
+
 def test_tiny_side_branches_the_gradient_bypasses_are_not_vanishing() -> None:
     # Residual branches scaled down by design (ConvNeXt's layer scale, 1e-6 at init) alternate
     # with the trunk in forward order, and the first layer gets a healthy gradient: it reaches

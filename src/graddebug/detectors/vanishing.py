@@ -117,26 +117,38 @@ def _floor(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
                     value=float(low["norm"].min()), threshold=floor)]
 
 
+_BAND = 100.0
+"""How far below its two ends (per entry) every layer of a collapsed band must be."""
+
+
 def _collapse(medians: pd.DataFrame, share: float,
               low: pd.DataFrame) -> tuple[Jump | None, Jump | None]:
     """Where the median gradient collapses towards the tiny layers, and where, below them,
     it is restored, each when one layer accounts for most of it.
 
     Both are judged on the per-layer median over steps, the statistic the floor compares,
-    and claimed only when the tiny layers are exactly those between them in forward order. A
-    residual network interleaves its branches in that order; where tiny layers alternate
-    with healthy ones (ConvNeXt's branches, scaled by 1e-6 at initialisation), neighbours in
-    depth are not neighbours in the graph, and no single layer is named.
+    and claimed only when the tiny layers lie between them in forward order and every layer
+    between them is at least ``_BAND`` times below both ends. A residual network interleaves
+    its branches in that order; where tiny layers alternate with healthy ones (ConvNeXt's
+    branches, scaled by 1e-6 at initialisation), neighbours in depth are not neighbours in the
+    graph, and no single layer is named.
     """
     usable = medians[np.isfinite(medians["rms"]) & (medians["rms"] > 0)].reset_index(drop=True)
     collapse = find_jump(usable, grow=False, share=share)
     if collapse is None or collapse.layer in low.index:
         return None, None
-    tiny = usable["layer"].isin(set(low.index)).to_numpy()
     position = {str(layer): i for i, layer in enumerate(usable["layer"])}
     end = position[collapse.below]
     recovery = find_jump(usable.iloc[: end + 1], grow=True, share=share) if end >= 1 else None
     start = position[recovery.layer] if recovery is not None else 0
-    if not tiny[start:end + 1].all() or tiny.sum() != end + 1 - start:
+    band = usable.iloc[start:end + 1]
+    if not set(low.index) <= set(band["layer"]):
+        return None, None
+    # Every layer between them must sit far below both ends: a band the gradient collapsed
+    # into, not healthy layers interleaved with tiny ones.
+    ends = [float(usable["rms"].iloc[end + 1])]
+    if recovery is not None:
+        ends.append(float(usable["rms"].iloc[start - 1]))
+    if float(band["rms"].max()) * _BAND > min(ends):
         return None, None
     return collapse, recovery
