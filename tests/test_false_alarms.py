@@ -177,3 +177,38 @@ def test_a_forward_that_raises_leaves_no_mode_behind():
     with graddebug.watch(model), pytest.raises(RuntimeError, match="boom"):
         model(torch.randn(1, 2))
     assert torch._C._len_torch_function_stack() == 0
+
+
+class MaskedAttention(nn.Module):
+    """Scores plus an additive causal mask built by a module of its own, filled with
+    ``finfo.min`` as transformers builds them: a float32 sum of that mask overflows to -inf."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.mask = CausalMask()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(1, 2) + self.mask(x)
+        return scores.softmax(-1) @ x
+
+
+class CausalMask(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        full = torch.full((n, n), torch.finfo(x.dtype).min, dtype=x.dtype)
+        return torch.triu(full, diagonal=1).expand(x.shape[0], n, n)
+
+
+def test_a_finfo_min_mask_is_not_a_non_finite_forward() -> None:
+    torch.manual_seed(0)
+    model = MaskedAttention(8)
+    x = torch.randn(4, 64, 8)
+    mask = model.mask(x)
+    assert torch.isfinite(mask).all()
+    assert not torch.isfinite(mask.sum(dtype=torch.float32))  # what a float32 check would see
+    with graddebug.watch(model) as dbg:
+        model(x).square().mean().backward()
+        dbg.step()
+    assert dbg.findings().empty, dbg.findings()["message"].tolist()
+    assert dbg.events().empty

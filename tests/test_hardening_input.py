@@ -180,6 +180,12 @@ def test_save_to_a_path_that_cannot_hold_a_run_raises_run_file_error(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing left behind
 
 
+def test_save_of_a_live_watcher_to_a_path_that_cannot_hold_a_run(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    with graddebug.watch() as dbg, pytest.raises(RunFileError, match="NUL"):
+        dbg.save(str(tmp_path / "a\0b"))
+
+
 def test_every_option_error_is_a_graddebug_error() -> None:
     for options in ({"layers": 5}, {"keep": 123}, {"log_dir": 12345}, {"outputs": "no"}):
         with pytest.raises(GradDebugError):

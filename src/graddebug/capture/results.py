@@ -14,9 +14,10 @@ import pluggy
 from graddebug.capture.buffer import RunBuffer
 from graddebug.config import Thresholds
 from graddebug.detectors import diagnose
-from graddebug.errors import WatcherStateError
+from graddebug.errors import RunFileError, WatcherStateError
 from graddebug.frames import summary_frame
 from graddebug.report.report import Report, notebook_html
+from graddebug.runs.layout import check_run_path
 
 __all__ = ["RunResults"]
 
@@ -105,6 +106,7 @@ class RunResults:
             MissingFrameworkError: pyarrow is missing (``pip install graddebug[report]``).
             WatcherStateError: ``path`` is this Watcher's ``log_dir`` and the block is running.
         """
+        check_run_path(path, "save(path)", RunFileError)  # before is_log_dir resolves it
         if self.active and self._buffer.is_log_dir(path):
             raise WatcherStateError(
                 f"save({str(path)!r}) would replace the log_dir this Watcher is streaming to; "

@@ -394,8 +394,10 @@ class TorchAdapter(BaseAdapter):
             layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
         if layer.capture:
             # Forward finiteness check: one reduction, read at the step's single sync.
+            # Summed in float64: a float32 mask full of finfo.min (attention masks) would
+            # overflow a float32 sum to -inf and look non-finite.
             state.forward_sums.append(
-                (key, layer.depth, tensor.detach().sum(dtype=acc_dtype(tensor)))
+                (key, layer.depth, tensor.detach().sum(dtype=torch.float64))
             )
         if not tensor.requires_grad:
             return
