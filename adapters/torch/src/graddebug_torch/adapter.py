@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +26,14 @@ from graddebug_torch.guards import (
     check_mask_device,
     in_functorch_transform,
 )
+from graddebug_torch.outputs import (
+    CHANNELS_FIRST,
+    any_requires_grad,
+    fits,
+    flatten,
+    owns_params,
+)
+from graddebug_torch.outputs import unit_dim as _unit_dim  # patched by the fail-open tests
 from graddebug_torch.params import (
     TorchParam,
     check_optimizer,
@@ -50,62 +57,9 @@ from graddebug_torch.step import (
     kept_array,
     shape_text,
 )
-from graddebug_torch.valueflow import ValueFlow, needs_value_flow
+from graddebug_torch.valueflow import ValueFlows, needs_value_flow
 
 __all__ = ["TorchAdapter"]
-
-# Modules whose 3-D outputs are (batch, channels, length); other 3-D outputs are
-# (batch, sequence, features) and their units lie on the last axis.
-_CHANNELS_FIRST: tuple[type[nn.Module], ...] = (
-    nn.modules.conv._ConvNd,
-    nn.modules.batchnorm._BatchNorm,
-    nn.modules.instancenorm._InstanceNorm,
-    nn.modules.pooling._MaxPoolNd,
-    nn.modules.pooling._AvgPoolNd,
-    nn.modules.pooling._AdaptiveAvgPoolNd,
-    nn.modules.pooling._AdaptiveMaxPoolNd,
-    nn.GroupNorm,
-)
-
-
-def _unit_dim(ndim: int, channels_first: bool) -> int | None:
-    if ndim < 2:
-        return None
-    if ndim == 2:
-        return 1
-    if ndim >= 4 or channels_first:
-        return 1
-    return ndim - 1
-
-
-def _flatten(value: Any, path: str = "output") -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor in a (nested) tuple, list, dict or dataclass
-    output; a dataclass field is named like a dict key (``output.field``)."""
-    if isinstance(value, Tensor):
-        yield path, value
-    elif isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            yield from _flatten(item, f"{path}.{i}")
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _flatten(item, f"{path}.{key}")
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from _flatten(getattr(value, f.name), f"{path}.{f.name}")
-
-
-def _any_requires_grad(value: Any) -> bool:
-    return any(t.requires_grad for _, t in _flatten(value))
-
-
-def _owns_params(module: nn.Module) -> bool:
-    # Module._parameters directly: parameters(recurse=False) builds a generator chain per call.
-    return any(p is not None for p in module._parameters.values())
-
-
-def _fits(out: Any, grad: Tensor) -> bool:
-    return isinstance(out, Tensor) and out.shape == grad.shape
-
 
 class TorchAdapter(BaseAdapter):
     """Watches a ``torch.nn.Module``, named tensors (``params=``), and taps.
@@ -139,9 +93,7 @@ class TorchAdapter(BaseAdapter):
         self._owners = ModuleOwners()
         self._grad_hooks: dict[tuple[str, str], Callable[[Tensor], Tensor | None]] = {}
         self._was_training: bool | None = None
-        # The ValueFlows of module calls in progress, and of each module's last finished call.
-        self._flows: dict[int, list[ValueFlow | None]] = {}
-        self._finished: dict[int, ValueFlow | None] = {}
+        self._flows = ValueFlows()
         self._resolve(params)
 
     # -- set-up ----------------------------------------------------------------------------
@@ -152,7 +104,7 @@ class TorchAdapter(BaseAdapter):
             named = {self._name(n): m for n, m in self._model.named_modules()}
             self._modules = self._add_layers(
                 named, self._select(named, options.layers),
-                lambda m: isinstance(m, _CHANNELS_FIRST))
+                lambda m: isinstance(m, CHANNELS_FIRST))
             chosen = None if options.layers is None else set(self._modules)
             self._params = model_params(self._model, self._name, chosen, options.keep)
         if params:
@@ -170,7 +122,7 @@ class TorchAdapter(BaseAdapter):
             return {
                 n: m
                 for n, m in named.items()
-                if _owns_params(m) or not any(True for _ in m.children())
+                if owns_params(m) or not any(True for _ in m.children())
             }
         return select_layers(named, layers, noun="module", owner=type(self._model).__name__)
 
@@ -193,7 +145,9 @@ class TorchAdapter(BaseAdapter):
             hook = functools.partial(self._on_forward, self._layers[name])
             self._handles.append(module.register_forward_hook(hook))
             if needs_value_flow(module):
-                self._follow_values(name, module)
+                self._handles += self._flows.follow(
+                    module, lambda: self._ctx.recording and torch.is_grad_enabled(),
+                    functools.partial(self._fail_open, name))
         for index, param in enumerate(self._params):
             if param.param.requires_grad:
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
@@ -218,7 +172,6 @@ class TorchAdapter(BaseAdapter):
             handle.remove()
         self._handles.clear()
         self._flows.clear()
-        self._finished.clear()
         self._owners.release()
         self._drop_step()
         self._staging = SmallGrads()  # the staging buffers go with the hooks
@@ -326,29 +279,6 @@ class TorchAdapter(BaseAdapter):
             sq = square_sum(grad) if first and dense else None
             state.received[index] = ParamGrad(grad, sq, grad._version)
 
-    def _follow_values(self, name: str, module: nn.Module) -> None:
-        """Follow input values through ``module``'s calls (see :mod:`.valueflow`); the exit
-        hook runs before :meth:`_on_forward`, and also when the forward raises."""
-
-        def enter(module: nn.Module, args: Any, kwargs: Any) -> None:
-            flow = None
-            if self._ctx.recording and torch.is_grad_enabled():
-                with self._fail_open(name):
-                    if _any_requires_grad((args, kwargs)):
-                        flow = ValueFlow((args, kwargs))
-                        flow.__enter__()
-            self._flows.setdefault(id(module), []).append(flow)
-
-        def leave(module: nn.Module, args: Any, output: Any) -> None:
-            calls = self._flows.get(id(module))
-            flow = calls.pop() if calls else None
-            self._finished[id(module)] = flow
-            if flow is not None:
-                with self._fail_open(name):
-                    flow.__exit__(None, None, None)
-
-        self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
-        self._handles.append(module.register_forward_hook(leave, prepend=True, always_call=True))
 
     def _skip_transformed(self) -> None:
         """A forward or a tap inside a ``torch.func`` transform: skipped, with one warning."""
@@ -356,26 +286,26 @@ class TorchAdapter(BaseAdapter):
         self._ctx.warn_once("functorch", FUNCTORCH_WARNING)
 
     def _on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
-        flow = self._finished.pop(id(module), None)
+        flow = self._flows.finished(module)
         ctx = self._ctx
         if in_functorch_transform():
             self._skip_transformed()
             return
         if not ctx.recording or not torch.is_grad_enabled():
             if layer.intervention is not None:  # keep unrecorded steps free of work otherwise
-                for _, tensor in _flatten(output):
+                for _, tensor in flatten(output):
                     self._intervene_unrecorded(tensor, layer.intervention, layer.name)
             return
         with self._fail_open(layer.name):
             if layer.depth < 0:
                 layer.depth = self._take_depth()
-            tensors = (("output", output),) if isinstance(output, Tensor) else _flatten(output)
+            tensors = (("output", output),) if isinstance(output, Tensor) else flatten(output)
             for tname, tensor in tensors:
                 if not tensor.is_floating_point():
                     continue
                 if layer.capture:
                     self._watch_tensor(layer, tname, tensor)
-                if tensor.requires_grad or not _any_requires_grad(args):
+                if tensor.requires_grad or not any_requires_grad(args):
                     continue
                 # Without a ValueFlow the module owns trainable parameters (starved by this
                 # output) or is a torch.nn module, which never drops a gradient on purpose.
@@ -415,7 +345,7 @@ class TorchAdapter(BaseAdapter):
             self._state.handles.append(tensor.register_hook(hook))
 
     def _intervene(self, spec: Intervention, name: str, grad: Tensor) -> Tensor:
-        return intervene_fail_open(spec, name, grad, apply_intervention, _fits,
+        return intervene_fail_open(spec, name, grad, apply_intervention, fits,
                                    self._ctx.internal_error)
 
     def _on_grad(self, layer: LayerSpec, tname: str, grad: Tensor) -> Tensor | None:

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ValueFlow", "needs_value_flow"]
+__all__ = ["ValueFlow", "ValueFlows", "needs_value_flow"]
 
 # Functions that read a tensor's metadata, not its values.
 _METADATA: frozenset[Any] = frozenset({
@@ -117,3 +119,57 @@ class ValueFlow(TorchFunctionMode):
         if args and isinstance(args[0], Tensor) and (name.endswith("_") or name == "__setitem__"):
             self._mark(args[0])  # written in place with marked values
         return result
+
+
+class ValueFlows:
+    """The :class:`ValueFlow` of each call in progress of the modules it follows, and of each
+    module's last finished call, for the adapter's forward hook to read."""
+
+    def __init__(self) -> None:
+        self._running: dict[int, list[ValueFlow | None]] = {}
+        self._finished: dict[int, ValueFlow | None] = {}
+
+    def follow(self, module: nn.Module, active: Callable[[], bool],
+               guard: Callable[[], AbstractContextManager[None]]) -> list[RemovableHandle]:
+        """Follow input values through ``module``'s calls while ``active()`` says so.
+
+        The exit hook is prepended, so it runs before the adapter's forward hook, and runs
+        also when the forward raises, so that no mode is left active.
+
+        Args:
+            module: The module.
+            active: Whether the current call is recorded.
+            guard: The fail-open context of the module's hooks.
+
+        Returns:
+            The two hook handles, for the adapter to remove on exit.
+        """
+
+        def enter(module: nn.Module, args: Any, kwargs: Any) -> None:
+            flow = None
+            if active():
+                with guard():
+                    if any(t.requires_grad for t in _tensors((args, kwargs))):
+                        flow = ValueFlow((args, kwargs))
+                        flow.__enter__()
+            self._running.setdefault(id(module), []).append(flow)
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            calls = self._running.get(id(module))
+            flow = calls.pop() if calls else None
+            self._finished[id(module)] = flow
+            if flow is not None:
+                with guard():
+                    flow.__exit__(None, None, None)
+
+        return [module.register_forward_pre_hook(enter, with_kwargs=True),
+                module.register_forward_hook(leave, prepend=True, always_call=True)]
+
+    def finished(self, module: nn.Module) -> ValueFlow | None:
+        """The flow of ``module``'s call that just finished (taken: asked once per call)."""
+        return self._finished.pop(id(module), None)
+
+    def clear(self) -> None:
+        """Forget every call (on detach)."""
+        self._running.clear()
+        self._finished.clear()

@@ -1,0 +1,68 @@
+"""Layer outputs as torch gives them: which tensors a (nested) output holds and how they are
+named, which axis holds the units, and which modules a watch hooks by default."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["CHANNELS_FIRST", "any_requires_grad", "fits", "flatten", "owns_params", "unit_dim"]
+
+# Modules whose 3-D outputs are (batch, channels, length); other 3-D outputs are
+# (batch, sequence, features) and their units lie on the last axis.
+CHANNELS_FIRST: tuple[type[nn.Module], ...] = (
+    nn.modules.conv._ConvNd,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+    nn.GroupNorm,
+)
+
+
+def unit_dim(ndim: int, channels_first: bool) -> int | None:
+    """The axis of units (features, or channels for channels-first modules); None below 2-D."""
+    if ndim < 2:
+        return None
+    if ndim == 2:
+        return 1
+    if ndim >= 4 or channels_first:
+        return 1
+    return ndim - 1
+
+
+def flatten(value: Any, path: str = "output") -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor in a (nested) tuple, list, dict or dataclass
+    output; a dataclass field is named like a dict key (``output.field``)."""
+    if isinstance(value, Tensor):
+        yield path, value
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from flatten(item, f"{path}.{i}")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from flatten(item, f"{path}.{key}")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from flatten(getattr(value, f.name), f"{path}.{f.name}")
+
+
+def any_requires_grad(value: Any) -> bool:
+    """Whether any tensor in ``value`` requires a gradient."""
+    return any(t.requires_grad for _, t in flatten(value))
+
+
+def owns_params(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters of its own (not only its children's)."""
+    # Module._parameters directly: parameters(recurse=False) builds a generator chain per call.
+    return any(p is not None for p in module._parameters.values())
+
+
+def fits(out: Any, grad: Tensor) -> bool:
+    """Whether an intervention's result can replace ``grad``."""
+    return isinstance(out, Tensor) and out.shape == grad.shape
