@@ -3,6 +3,7 @@ step that records no parameter gradient says why."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -94,3 +95,52 @@ def test_step_with_an_optimizer_does_not_warn():
     params = dbg.frame().query("kind == 'parameter'")
     np.testing.assert_allclose(sorted(params["norm"]),
                                sorted(float(tf.norm(g)) for g in grads), rtol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """A layer output that ``tf.nest`` sees as one leaf."""
+
+    left: tf.Tensor
+    right: tf.Tensor
+
+
+class Split(keras.layers.Layer):
+    """Returns its two halves through two Dense layers, as a dataclass."""
+
+    def __init__(self) -> None:
+        super().__init__(name="split")
+        self.a, self.b = keras.layers.Dense(3, name="a"), keras.layers.Dense(3, name="b")
+
+    def call(self, x: tf.Tensor) -> Pair:
+        return Pair(self.a(x), self.b(x))
+
+
+class Net(keras.Model):
+    def __init__(self) -> None:
+        super().__init__(name="net")
+        self.split = Split()
+
+    def call(self, x: tf.Tensor) -> Pair:
+        return self.split(x)
+
+
+def test_a_dataclass_output_gets_one_row_per_field_equal_to_tape_gradient() -> None:
+    keras.utils.set_random_seed(0)
+    net = Net()
+    x = tf.random.normal((5, 4))
+    net(x)  # build
+    split = net.split
+    with graddebug.watch(net, layers=["split"]) as dbg:
+        with tf.GradientTape(persistent=True) as tape:
+            out = net(x)
+            loss = tf.reduce_sum(out.left ** 2) + 3.0 * tf.reduce_sum(out.right)
+        assert isinstance(out, Pair)
+        want = {name: float(tf.norm(tape.gradient(loss, getattr(out, name))))
+                for name in ("left", "right")}
+        dbg.step(tape.gradient(loss, split.trainable_variables))
+    rows = dbg.frame().query("layer == 'split' and kind == 'activation'")
+    got = dict(zip(rows["tensor"], rows["norm"], strict=True))
+    assert set(got) == {"output.left", "output.right"}
+    for name, norm in want.items():
+        assert got[f"output.{name}"] == pytest.approx(norm, rel=1e-6)

@@ -10,6 +10,8 @@ step reads every buffer with one transfer and clears it.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -262,6 +264,8 @@ class TensorFlowAdapter(BaseAdapter):
         return self._on_output(self._tap_layer(name, intervention), tensor)
 
     def _on_output(self, layer: LayerSpec, output: Any) -> Any:
+        if dataclasses.is_dataclass(output) and not isinstance(output, type):
+            return self._on_dataclass(layer, output)
         with self._fail_open(layer.name):
             leaves = tf.nest.flatten(output)
             if not any(differentiable(t) for t in leaves):
@@ -287,6 +291,18 @@ class TensorFlowAdapter(BaseAdapter):
             ]
             return tf.nest.pack_sequence_as(output, new)
         return output  # fail-open: a graddebug bug leaves the output as it was
+
+    def _on_dataclass(self, layer: LayerSpec, output: Any) -> Any:
+        """A dataclass output, which ``tf.nest`` takes for one leaf: its fields are watched as
+        a dict's keys (``output.<field>``) and put back into a copy of it."""
+        fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+        watched = self._on_output(layer, fields)
+        if watched is fields:
+            return output
+        new = copy.copy(output)
+        for name, value in watched.items():
+            object.__setattr__(new, name, value)  # frozen dataclasses too
+        return new
 
     def _watch(self, layer: LayerSpec, tname: str, tensor: tf.Tensor, eager: bool) -> tf.Tensor:
         spec = layer.intervention
