@@ -20,13 +20,10 @@ so under a loss scaler they carry the scale.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import graddebug
-from graddebug.errors import ConfigError, MissingFrameworkError, WatcherStateError
+from graddebug.errors import MissingFrameworkError
 
 try:
     import lightning.pytorch as pl
@@ -36,25 +33,15 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "(or pip install lightning)."
     ) from _exc
 
-from graddebug.adapter import StepResult, WatchContext
-from graddebug.integrations.stopping import (
-    check_watch_options,
-    nonfinite,
-    parse_stop_on,
-    stop_reason,
-)
+from graddebug.integrations.session import CallbackSession
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from graddebug.adapter import WatchContext
     from graddebug.report.report import Report
 
 __all__ = ["GradDebugCallback"]
-
-log = logging.getLogger(__name__)
-
-"""Issues that ``stop_on=`` accepts: those a single step shows. Issues judged over many steps
-(vanishing, exploding, dead) are read from :meth:`GradDebugCallback.findings` after ``fit``."""
 
 
 class GradDebugCallback(pl.Callback):
@@ -85,19 +72,19 @@ class GradDebugCallback(pl.Callback):
     def __init__(self, *, stop_on: Iterable[str] | str = (), log: bool = True,
                  **watch_options: Any) -> None:
         super().__init__()
-        self._stop_on = parse_stop_on(stop_on, "GradDebugCallback")
-        self._log = log
-        if "optimizer" in watch_options:
-            raise ConfigError(
-                "GradDebugCallback closes a step at each optimizer step by itself; "
-                "leave out optimizer=."
-            )
-        self._options = watch_options
-        check_watch_options(watch_options, "GradDebugCallback", ("stop_on", "log"))
-        self.watcher: WatchContext | None = None
-        self.stop_reason: str | None = None
-        self._owned = True
-        self._own: graddebug.Watcher | None = None  # the Watcher this callback entered
+        self._session = CallbackSession(
+            "GradDebugCallback", "pass it to Trainer(callbacks=[...]) and call trainer.fit() "
+            "first.", stop_on=stop_on, log=log, watch_options=watch_options)
+
+    @property
+    def watcher(self) -> WatchContext | None:
+        """The Watcher of the latest ``fit`` (None before one starts)."""
+        return self._session.watcher
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why this callback stopped training, or None."""
+        return self._session.stop_reason
 
     @classmethod
     def bound(cls, context: WatchContext, *, stop_on: Iterable[str] | str = (),
@@ -115,92 +102,51 @@ class GradDebugCallback(pl.Callback):
         Raises:
             WatcherStateError: ``context`` is not active.
         """
-        if not context.active:
-            raise WatcherStateError("a bound GradDebugCallback needs an active Watcher.")
         callback = cls(stop_on=stop_on, log=log)
-        callback.watcher, callback._owned = context, False
+        callback._session.bind(context)
         return callback
 
     # -- Lightning hooks ----------------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start watching ``pl_module`` (unless bound to a Watcher already)."""
-        self.stop_reason = None
-        if not self._owned:
-            return
-        watcher = graddebug.Watcher(pl_module, **self._options)
-        watcher.__enter__()
-        self.watcher = self._own = watcher
+        self._session.start(pl_module)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
         """Close the graddebug step; log the norms and check ``stop_on`` if it was recorded."""
-        watcher = self.watcher
-        if watcher is None or not watcher.active:
-            return
-        step = watcher.step_index
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if watcher.adapter is not None and scaler is not None:
-            watcher.adapter.grads_changed_in_place()  # the scaler has just unscaled them
-        result = watcher.step()
-        if result is None:
-            return
-        if self._log and trainer.loggers:
-            metrics = {f"graddebug/{r.layer}.{r.tensor}/norm": r.norm for r in result.records}
+        # Under AMP the scaler has just unscaled the gradients in place.
+        scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
+        closed = self._session.close(changed_in_place=scaled)
+        if closed.metrics and trainer.loggers:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-        if self._stop_on and self.stop_reason is None and nonfinite(result):
-            self._stop(trainer, watcher, step, result)
+                logger.log_metrics(closed.metrics, step=trainer.global_step)
+        if closed.stop:
+            trainer.should_stop = True
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Stop watching: remove every hook."""
-        self._finish(None)
+        self._session.finish()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
         """Stop watching when ``fit`` fails; the frames recorded so far stay readable."""
-        self._finish(exception)
+        self._session.finish(exception)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Stop watching, if nothing else did (an interrupted ``fit``)."""
-        self._finish(None)
+        self._session.finish()
 
     # -- results ----------------------------------------------------------------------------
 
-    def _require(self) -> WatchContext:
-        if self.watcher is None:
-            raise WatcherStateError(
-                "GradDebugCallback has no Watcher yet: pass it to Trainer(callbacks=[...]) "
-                "and call trainer.fit() first."
-            )
-        return self.watcher
-
     def frame(self) -> pd.DataFrame:
         """Return the Watcher's record frame (one row per step and tensor)."""
-        return self._require().frame()
+        return self._session.frame()
 
     def findings(self) -> pd.DataFrame:
         """Return the Watcher's findings."""
-        return self._require().findings()
+        return self._session.findings()
 
     def report(self) -> Report:
         """Return the run as a :class:`graddebug.Report`."""
-        return self._require().report()
-
-    # -- internals ------------------------------------------------------------------------------
-
-    def _stop(self, trainer: pl.Trainer, watcher: WatchContext, step: int,
-              result: StepResult) -> None:
-        self.stop_reason = stop_reason(watcher.findings(), step, result)
-        log.warning(self.stop_reason)
-        trainer.should_stop = True
-
-    def _finish(self, exception: BaseException | None) -> None:
-        watcher, self._own = self._own, None
-        if watcher is None or not watcher.active:
-            return
-        exc_info: tuple[type[BaseException] | None, BaseException | None,
-                        TracebackType | None] = (None, None, None)
-        if exception is not None:
-            exc_info = (type(exception), exception, exception.__traceback__)
-        watcher.__exit__(*exc_info)
+        return self._session.report()

@@ -20,12 +20,10 @@ are captured during ``backward``, so under a loss scaler they carry the scale.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import graddebug
-from graddebug.errors import ConfigError, MissingFrameworkError, WatcherStateError
+from graddebug.errors import MissingFrameworkError
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -35,23 +33,16 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "pip install 'graddebug-torch[transformers]' (or pip install transformers)."
     ) from _exc
 
-from graddebug.adapter import StepResult, WatchContext
-from graddebug.integrations.stopping import (
-    check_watch_options,
-    nonfinite,
-    parse_stop_on,
-    stop_reason,
-)
+from graddebug.integrations.session import CallbackSession
 
 if TYPE_CHECKING:
     import pandas as pd
     from transformers import Trainer
 
+    from graddebug.adapter import WatchContext
     from graddebug.report.report import Report
 
 __all__ = ["GradDebugCallback"]
-
-log = logging.getLogger(__name__)
 
 
 class GradDebugCallback(TrainerCallback):
@@ -85,21 +76,22 @@ class GradDebugCallback(TrainerCallback):
     def __init__(self, *, stop_on: Iterable[str] | str = (), log: bool = True,
                  **watch_options: Any) -> None:
         super().__init__()
-        self._stop_on = parse_stop_on(stop_on, "GradDebugCallback")
-        self._log = log
-        if "optimizer" in watch_options:
-            raise ConfigError(
-                "GradDebugCallback closes a step at each optimizer step by itself; "
-                "leave out optimizer=."
-            )
-        check_watch_options(watch_options, "GradDebugCallback", ("stop_on", "log"))
-        self._options = watch_options
-        self.watcher: WatchContext | None = None
-        self.stop_reason: str | None = None
-        self._owned = True
-        self._own: graddebug.Watcher | None = None  # the Watcher this callback entered
+        self._session = CallbackSession(
+            "GradDebugCallback", "pass it to Trainer(callbacks=[...]) or "
+            "GradDebugCallback.attach(trainer), and call trainer.train() first.",
+            stop_on=stop_on, log=log, watch_options=watch_options)
         self._trainer: Trainer | None = None
         self._pending: dict[str, float] = {}  # norms of the step, logged at its step end
+
+    @property
+    def watcher(self) -> WatchContext | None:
+        """The Watcher of the latest ``train`` (None before one starts)."""
+        return self._session.watcher
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why this callback stopped training, or None."""
+        return self._session.stop_reason
 
     @classmethod
     def attach(cls, trainer: Trainer, *, stop_on: Iterable[str] | str = (), log: bool = True,
@@ -135,10 +127,8 @@ class GradDebugCallback(TrainerCallback):
         Raises:
             WatcherStateError: ``context`` is not active.
         """
-        if not context.active:
-            raise WatcherStateError("a bound GradDebugCallback needs an active Watcher.")
         callback = cls(stop_on=stop_on, log=log)
-        callback.watcher, callback._owned = context, False
+        callback._session.bind(context)
         return callback
 
     # -- Trainer events -------------------------------------------------------------------------
@@ -146,34 +136,19 @@ class GradDebugCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, model: Any = None, **kwargs: Any) -> None:
         """Start watching ``model`` (unless bound to a Watcher already)."""
-        self.stop_reason = None
         self._pending = {}
-        if not self._owned:
-            return
-        self._finish()  # a previous train() that raised left its Watcher open
-        watcher = graddebug.Watcher(model, **self._options)
-        watcher.__enter__()
-        self.watcher = self._own = watcher
+        self._session.start(model)
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
                               control: TrainerControl, **kwargs: Any) -> None:
         """Close the graddebug step; keep its norms for logging and check ``stop_on``."""
-        watcher = self.watcher
-        if watcher is None or not watcher.active:
-            return
-        step = watcher.step_index
-        if watcher.adapter is not None:
-            # Since backward, the Trainer may have unscaled (AMP) and clipped the gradients in
-            # place; measure them again so the step records what the optimizer applies.
-            watcher.adapter.grads_changed_in_place()
-        result = watcher.step()
-        if result is None:
-            return
-        if self._log:
-            self._pending = {f"graddebug/{r.layer}.{r.tensor}/norm": r.norm
-                             for r in result.records}
-        if self._stop_on and self.stop_reason is None and nonfinite(result):
-            self._stop(control, watcher, step, result)
+        # Since backward, the Trainer may have unscaled (AMP) and clipped the gradients in
+        # place; they are measured again, so the step records what the optimizer applies.
+        closed = self._session.close(changed_in_place=True)
+        if closed.metrics:
+            self._pending = closed.metrics
+        if closed.stop:
+            control.should_training_stop = True
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -192,39 +167,18 @@ class GradDebugCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
         """Stop watching: remove every hook."""
-        self._finish()
+        self._session.finish()
 
     # -- results ------------------------------------------------------------------------------
 
-    def _require(self) -> WatchContext:
-        if self.watcher is None:
-            raise WatcherStateError(
-                "GradDebugCallback has no Watcher yet: pass it to Trainer(callbacks=[...]) "
-                "or GradDebugCallback.attach(trainer), and call trainer.train() first."
-            )
-        return self.watcher
-
     def frame(self) -> pd.DataFrame:
         """Return the Watcher's record frame (one row per step and tensor)."""
-        return self._require().frame()
+        return self._session.frame()
 
     def findings(self) -> pd.DataFrame:
         """Return the Watcher's findings."""
-        return self._require().findings()
+        return self._session.findings()
 
     def report(self) -> Report:
         """Return the run as a :class:`graddebug.Report`."""
-        return self._require().report()
-
-    # -- internals ------------------------------------------------------------------------------
-
-    def _stop(self, control: TrainerControl, watcher: WatchContext, step: int,
-              result: StepResult) -> None:
-        self.stop_reason = stop_reason(watcher.findings(), step, result)
-        log.warning(self.stop_reason)
-        control.should_training_stop = True
-
-    def _finish(self) -> None:
-        watcher, self._own = self._own, None
-        if watcher is not None and watcher.active:
-            watcher.__exit__(None, None, None)
+        return self._session.report()
