@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from graddebug.errors import ConfigError, WatcherStateError
 from graddebug.integrations.stopping import (
@@ -31,9 +31,11 @@ if TYPE_CHECKING:
     from graddebug.capture.watcher import Watcher
     from graddebug.report.report import Report
 
-__all__ = ["CallbackSession", "ClosedStep"]
+__all__ = ["CallbackSession", "ClosedStep", "SessionResults"]
 
 log = logging.getLogger("graddebug")
+
+S = TypeVar("S", bound="SessionResults")
 
 
 @dataclass
@@ -163,3 +165,60 @@ class CallbackSession:
     def report(self) -> Report:
         """The run as a :class:`graddebug.Report`."""
         return self.require().report()
+
+
+class SessionResults:
+    """What a callback holding a :class:`CallbackSession` in ``_session`` offers its user:
+    the Watcher, why it stopped training, the frames, and ``bound()``.
+
+    Mixed into the Lightning and Trainer callbacks, before the host's callback class.
+    """
+
+    _session: CallbackSession
+
+    def __init__(self, *, stop_on: Iterable[str] | str = (), log: bool = True,
+                 **watch_options: Any) -> None:
+        # The signature every such callback has (bound() relies on it); each builds its own
+        # session, and the host's callback class comes next in the MRO.
+        super().__init__()
+
+    @property
+    def watcher(self) -> WatchContext | None:
+        """The Watcher of the latest training run (None before one starts)."""
+        return self._session.watcher
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why this callback stopped training, naming the layer; None while it has not."""
+        return self._session.stop_reason
+
+    @classmethod
+    def bound(cls: type[S], context: WatchContext, *, stop_on: Iterable[str] | str = (),
+              log: bool = True) -> S:
+        """Return a callback that serves an active Watcher instead of making its own: the
+        ``with`` block keeps owning the Watcher, and the callback closes its steps, logs and
+        stops (``dbg.callback()`` returns one for a torch model).
+
+        Args:
+            context: The Watcher.
+            stop_on: As for the constructor.
+            log: As for the constructor.
+
+        Raises:
+            WatcherStateError: ``context`` is not active.
+        """
+        callback = cls(stop_on=stop_on, log=log)
+        callback._session.bind(context)
+        return callback
+
+    def frame(self) -> pd.DataFrame:
+        """Return the Watcher's record frame (one row per step and tensor)."""
+        return self._session.frame()
+
+    def findings(self) -> pd.DataFrame:
+        """Return the Watcher's findings."""
+        return self._session.findings()
+
+    def report(self) -> Report:
+        """Return the run as a :class:`graddebug.Report`."""
+        return self._session.report()

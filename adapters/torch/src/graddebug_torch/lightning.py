@@ -33,18 +33,16 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "(or pip install lightning)."
     ) from _exc
 
-from graddebug.integrations.session import CallbackSession
+from graddebug.integrations.session import CallbackSession, SessionResults
 
 if TYPE_CHECKING:
-    import pandas as pd
 
-    from graddebug.adapter import WatchContext
-    from graddebug.report.report import Report
+    pass
 
 __all__ = ["GradDebugCallback"]
 
 
-class GradDebugCallback(pl.Callback):
+class GradDebugCallback(SessionResults, pl.Callback):
     """Watch ``pl_module`` from ``on_fit_start`` to the end of ``fit``, crash included.
 
     Each optimizer step closes a graddebug step (in ``on_before_optimizer_step``). On recorded
@@ -76,36 +74,6 @@ class GradDebugCallback(pl.Callback):
             "GradDebugCallback", "pass it to Trainer(callbacks=[...]) and call trainer.fit() "
             "first.", stop_on=stop_on, log=log, watch_options=watch_options)
 
-    @property
-    def watcher(self) -> WatchContext | None:
-        """The Watcher of the latest ``fit`` (None before one starts)."""
-        return self._session.watcher
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why this callback stopped training, or None."""
-        return self._session.stop_reason
-
-    @classmethod
-    def bound(cls, context: WatchContext, *, stop_on: Iterable[str] | str = (),
-              log: bool = True) -> GradDebugCallback:
-        """Return a callback that serves an active Watcher instead of making its own.
-
-        This is what ``dbg.callback()`` returns for a torch model: the ``with`` block keeps
-        owning the Watcher, and the callback closes its steps, logs and stops.
-
-        Args:
-            context: The Watcher.
-            stop_on: As for the constructor.
-            log: As for the constructor.
-
-        Raises:
-            WatcherStateError: ``context`` is not active.
-        """
-        callback = cls(stop_on=stop_on, log=log)
-        callback._session.bind(context)
-        return callback
-
     # -- Lightning hooks ----------------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -136,17 +104,3 @@ class GradDebugCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Stop watching, if nothing else did (an interrupted ``fit``)."""
         self._session.finish()
-
-    # -- results ----------------------------------------------------------------------------
-
-    def frame(self) -> pd.DataFrame:
-        """Return the Watcher's record frame (one row per step and tensor)."""
-        return self._session.frame()
-
-    def findings(self) -> pd.DataFrame:
-        """Return the Watcher's findings."""
-        return self._session.findings()
-
-    def report(self) -> Report:
-        """Return the run as a :class:`graddebug.Report`."""
-        return self._session.report()

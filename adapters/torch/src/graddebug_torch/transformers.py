@@ -33,19 +33,16 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "pip install 'graddebug-torch[transformers]' (or pip install transformers)."
     ) from _exc
 
-from graddebug.integrations.session import CallbackSession
+from graddebug.integrations.session import CallbackSession, SessionResults
 
 if TYPE_CHECKING:
-    import pandas as pd
     from transformers import Trainer
 
-    from graddebug.adapter import WatchContext
-    from graddebug.report.report import Report
 
 __all__ = ["GradDebugCallback"]
 
 
-class GradDebugCallback(TrainerCallback):
+class GradDebugCallback(SessionResults, TrainerCallback):
     """Watch the Trainer's model from ``on_train_begin`` to ``on_train_end``.
 
     Each optimizer step closes a graddebug step. On recorded steps, the gradient norm of every
@@ -83,16 +80,6 @@ class GradDebugCallback(TrainerCallback):
         self._trainer: Trainer | None = None
         self._pending: dict[str, float] = {}  # norms of the step, logged at its step end
 
-    @property
-    def watcher(self) -> WatchContext | None:
-        """The Watcher of the latest ``train`` (None before one starts)."""
-        return self._session.watcher
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why this callback stopped training, or None."""
-        return self._session.stop_reason
-
     @classmethod
     def attach(cls, trainer: Trainer, *, stop_on: Iterable[str] | str = (), log: bool = True,
                **watch_options: Any) -> GradDebugCallback:
@@ -108,27 +95,6 @@ class GradDebugCallback(TrainerCallback):
         callback = cls(stop_on=stop_on, log=log, **watch_options)
         callback._trainer = trainer
         trainer.add_callback(callback)
-        return callback
-
-    @classmethod
-    def bound(cls, context: WatchContext, *, stop_on: Iterable[str] | str = (),
-              log: bool = True) -> GradDebugCallback:
-        """Return a callback that serves an active Watcher instead of making its own.
-
-        ``with graddebug.watch(model) as dbg: trainer.add_callback(GradDebugCallback.bound(dbg))``
-        leaves the ``with`` block in charge of removing every hook, also when ``train`` raises
-        (a Trainer callback hears of no exception).
-
-        Args:
-            context: The Watcher.
-            stop_on: As for the constructor.
-            log: As for the constructor.
-
-        Raises:
-            WatcherStateError: ``context`` is not active.
-        """
-        callback = cls(stop_on=stop_on, log=log)
-        callback._session.bind(context)
         return callback
 
     # -- Trainer events -------------------------------------------------------------------------
@@ -168,17 +134,3 @@ class GradDebugCallback(TrainerCallback):
                      control: TrainerControl, **kwargs: Any) -> None:
         """Stop watching: remove every hook."""
         self._session.finish()
-
-    # -- results ------------------------------------------------------------------------------
-
-    def frame(self) -> pd.DataFrame:
-        """Return the Watcher's record frame (one row per step and tensor)."""
-        return self._session.frame()
-
-    def findings(self) -> pd.DataFrame:
-        """Return the Watcher's findings."""
-        return self._session.findings()
-
-    def report(self) -> Report:
-        """Return the run as a :class:`graddebug.Report`."""
-        return self._session.report()
