@@ -31,6 +31,12 @@ def test_dead_fraction_above_one_is_rejected() -> None:
         Thresholds(dead_fraction=1.5)
 
 
+def test_source_share_above_one_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"source_share=1.5 .* \(0, 1\]; the default is 0.5"):
+        Thresholds(source_share=1.5)
+    assert Thresholds(source_share=1).source_share == 1
+
+
 def test_unknown_threshold_name_suggests_the_close_one() -> None:
     with pytest.raises(ConfigError, match="exploding_norm"):
         Thresholds().replace(exploding_nrm=3.0)

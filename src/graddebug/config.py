@@ -117,11 +117,13 @@ class Thresholds:
                 )
             # Store plain Python numbers: thresholds go into JSON files and messages.
             object.__setattr__(self, field.name, number)
-        if self.dead_fraction > 1:
-            raise ConfigError(
-                f"threshold dead_fraction={self.dead_fraction!r} is a fraction of units and "
-                "must lie in (0, 1]; the default is 0.7."
-            )
+        for name, what in (("dead_fraction", "a fraction of units"),
+                           ("source_share", "a share of a jump or collapse")):
+            if getattr(self, name) > 1:
+                raise ConfigError(
+                    f"threshold {name}={getattr(self, name)!r} is {what} and must lie in "
+                    f"(0, 1]; the default is {getattr(type(self), name)!r}."
+                )
         if not isinstance(self.growth_window, int):
             raise ConfigError(
                 f"threshold growth_window={self.growth_window!r} counts steps and must be an int."
