@@ -179,8 +179,8 @@ class ParamSet:
             # would differ in their last bits. Those rows say "present, not measured".
             unread = [i for i, _ in present if params[i].graph_unread]
             present = [(i, g) for i, g in present if not params[i].graph_unread]
-        marks = tf.constant([[1.0] + [0.0] * (PARAM_WIDTH - 1)] * (1 + len(unread)), tf.float64)
-        marks = marks * tf.constant([[1.0]] + [[UNMEASURED]] * len(unread), tf.float64)
+        pad = [0.0] * (PARAM_WIDTH - 1)
+        marks = tf.constant([[1.0, *pad]] + [[UNMEASURED, *pad]] * len(unread), tf.float64)
         rows = tf.concat([_rows([g for _, g in present], self._full), marks], 0) \
             if present else marks
         # One op writes the rows and marks the source row, in eager mode and in a graph alike.
