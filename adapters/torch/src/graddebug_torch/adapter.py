@@ -58,6 +58,7 @@ from graddebug_torch.step import (
     shape_text,
 )
 from graddebug_torch.valueflow import ValueFlows, needs_value_flow
+from graddebug_torch.wrappers import clean_name, unwrap
 
 __all__ = ["TorchAdapter"]
 
@@ -98,7 +99,8 @@ class TorchAdapter(BaseAdapter):
                 "pass tensors as params={'name': tensor} or use tap()."
             )
         super().__init__(context, options)
-        self._model: nn.Module | None = model
+        self._model: nn.Module | None = model  # what the user calls (a wrapper, maybe)
+        self._root: nn.Module | None = unwrap(model) if model is not None else None
         self._modules: dict[str, nn.Module] = {}
         self._params: list[TorchParam] = []
         self._handles: list[RemovableHandle] = []
@@ -114,19 +116,19 @@ class TorchAdapter(BaseAdapter):
 
     def _resolve(self, params: Mapping[str, Any] | None) -> None:
         options = self._options
-        if self._model is not None:
-            named = {self._name(n): m for n, m in self._model.named_modules()}
+        if self._root is not None:
+            named = {self._name(n): m for n, m in self._root.named_modules()}
             self._modules = self._add_layers(
                 named, self._select(named, options.layers),
                 lambda m: isinstance(m, CHANNELS_FIRST))
             chosen = None if options.layers is None else set(self._modules)
-            self._params = model_params(self._model, self._name, chosen, options.keep)
+            self._params = model_params(self._root, self._name, chosen, options.keep)
         if params:
             self._params += given_params(params, options.keep)
             self._add_param_keys(params)
 
     def _name(self, qualified: str) -> str:
-        return qualified or type(self._model).__name__
+        return clean_name(qualified) or type(self._root).__name__
 
     def _select(self, named: dict[str, nn.Module], layers: Sequence[Any] | None
                 ) -> dict[str, nn.Module]:
@@ -138,12 +140,12 @@ class TorchAdapter(BaseAdapter):
                 for n, m in named.items()
                 if owns_params(m) or not any(True for _ in m.children())
             }
-        return select_layers(named, layers, noun="module", owner=type(self._model).__name__)
+        return select_layers(named, layers, noun="module", owner=type(self._root).__name__)
 
     def _model_layer_names(self) -> list[str]:
-        if self._model is None:
+        if self._root is None:
             return []
-        return [self._name(n) for n, _ in self._model.named_modules()]
+        return [self._name(n) for n, _ in self._root.named_modules()]
 
     # -- Adapter protocol ---------------------------------------------------------------
 
@@ -152,7 +154,7 @@ class TorchAdapter(BaseAdapter):
         watched parameter."""
         for name, spec in self._options.intervene.items():
             check_mask_device(spec, name)
-        self._owners.claim(self._modules, type(self._model).__name__)
+        self._owners.claim(self._modules, type(self._root).__name__)
         if self._model is not None:
             self._was_training = self._model.training
         for name, module in self._modules.items():

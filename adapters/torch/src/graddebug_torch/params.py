@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from graddebug.errors import ConfigError, GradientCountError
 from graddebug_torch.step import ParamGrad, ParamRow
+from graddebug_torch.wrappers import clean_name
 
 __all__ = ["TorchParam", "ancestors", "check_optimizer", "given_params", "model_params",
            "param_rows"]
@@ -57,6 +58,7 @@ def model_params(model: nn.Module, name_of: Callable[[str], str],
     out = []
     for pname, param in model.named_parameters():
         owner, _, short = pname.rpartition(".")
+        owner = clean_name(owner)
         chain = tuple(ancestors(owner))
         if chosen is not None and not any(name in chosen for name in chain):
             continue

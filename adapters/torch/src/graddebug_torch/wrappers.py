@@ -1,0 +1,63 @@
+"""The model behind its wrappers: DDP, FSDP, ``torch.compile`` and activation checkpointing.
+
+Layer and parameter names are those of the unwrapped model, so that a distributed or compiled
+run's frames line up with a single-process eager run of the same model.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["WRAPPER_PREFIXES", "clean_name", "unwrap"]
+
+WRAPPER_PREFIXES: tuple[str, ...] = (
+    "_fsdp_wrapped_module.",
+    "_checkpoint_wrapped_module.",
+    "_orig_mod.",
+)
+"""Name parts that wrappers nested inside a model add to its qualified names (FSDP1,
+``checkpoint_wrapper``, a compiled submodule)."""
+
+_WRAPPED_NAMES = tuple(prefix[:-1] for prefix in WRAPPER_PREFIXES)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside outer wrappers: ``DistributedDataParallel`` and ``DataParallel``
+    (``.module``) and ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), however nested.
+
+    FSDP2's ``fully_shard`` wraps nothing (it changes the module's class in place), and FSDP1's
+    inner name parts are removed by :func:`clean_name`.
+    """
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = _inner(model)
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
+def _inner(model: nn.Module) -> nn.Module | None:
+    kind = type(model).__name__
+    if kind in ("DistributedDataParallel", "DataParallel"):
+        inner = getattr(model, "module", None)
+    elif kind == "OptimizedModule":
+        inner = getattr(model, "_orig_mod", None)
+    else:
+        return None
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def clean_name(qualified: str) -> str:
+    """``qualified`` without the name parts wrappers add inside a model.
+
+    >>> clean_name("layers.0._fsdp_wrapped_module.attn._checkpoint_wrapped_module.proj")
+    'layers.0.attn.proj'
+    >>> clean_name("_orig_mod")
+    ''
+    """
+    if "_" not in qualified:  # the common case: nothing to remove
+        return qualified
+    parts = [p for p in qualified.split(".") if p not in _WRAPPED_NAMES]
+    return ".".join(parts)
