@@ -107,7 +107,7 @@ def check_healthy(namespace: dict[str, Any], result: dict[str, Any], ratio: Rati
     findings, frame = result["findings"][name], result["frames"][name]
     assert findings.empty
     assert list(findings.columns) == [  # the documented contract, spelled out
-        "step", "layer", "tensor", "issue", "severity", "value", "threshold", "message",
+        "step", "layer", "tensor", "issue", "severity", "value", "threshold", "message", "rank",
     ]
     assert set(frame["kind"]) == {"activation", "parameter"}
     assert frame["step"].nunique() == namespace["STEPS"]

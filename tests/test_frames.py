@@ -22,7 +22,7 @@ def test_pre_norm_column_only_where_an_intervention_acted() -> None:
     clipped = make_record(0, "b", 1, 1.0)._replace(pre_norm=5.0)
     assert "pre_norm" not in record_frame([plain]).columns
     frame = record_frame([plain, clipped])
-    assert list(frame.columns)[-1] == "pre_norm"
+    assert list(frame.columns)[-2:] == ["pre_norm", "rank"]  # rank stays last
     assert math.isnan(frame["pre_norm"][0])
     assert frame["pre_norm"][1] == 5.0
 

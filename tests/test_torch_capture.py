@@ -113,9 +113,10 @@ def test_frame_columns_follow_the_contract() -> None:
         dbg.step()
     assert list(dbg.frame().columns) == [
         "step", "layer", "tensor", "kind", "depth", "shape", "numel", "norm", "mean", "std",
-        "absmax", "zero_frac", "nan", "inf"]
+        "absmax", "zero_frac", "nan", "inf", "rank"]
     assert list(dbg.findings().columns) == [
-        "step", "layer", "tensor", "issue", "severity", "value", "threshold", "message"]
+        "step", "layer", "tensor", "issue", "severity", "value", "threshold", "message", "rank"]
+    assert set(dbg.frame()["rank"]) == {0}  # one process
     depths = dbg.frame().drop_duplicates("layer").set_index("layer")["depth"]
     assert list(depths.sort_values().index) == ["0", "1", "2"]  # forward order
 

@@ -30,6 +30,7 @@ __all__ = [
     "Adapter",
     "AdapterFactory",
     "BaseAdapter",
+    "Distribution",
     "StepResult",
     "WatchContext",
     "WatchOptions",
@@ -53,6 +54,10 @@ class WatchOptions:
         optimizer: The user's optimizer; when given, the adapter closes a step each time the
             optimizer applies gradients (and, in TensorFlow, takes the gradients from it).
         every: Record one step in ``every`` (steps 0, every, 2*every, ...).
+        scaler: The user's loss scaler (``torch.amp.GradScaler``), or None. The adapter
+            divides recorded statistics by the scale of each backward pass and reports the
+            steps the scaler skips (an :attr:`~graddebug.records.EventKind.SKIPPED_STEP`
+            event) instead of their overflowed gradients as faults.
     """
 
     layers: Sequence[Any] | None = None
@@ -62,11 +67,30 @@ class WatchOptions:
     param_stats: Literal["norm", "full"] = "norm"
     optimizer: Any = None
     every: int = 1
+    scaler: Any = None
 
     @property
     def named(self) -> set[str]:
         """The names that ``keep=`` and ``intervene=`` ask for."""
         return set(self.keep) | set(self.intervene)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Where a Watcher runs among the processes of a distributed run.
+
+    Attributes:
+        rank: This process's rank (``torch.distributed.get_rank()``); 0 in one process. Rows
+            of replicas inside one process (``tf.distribute``) carry their replica's index
+            themselves.
+        world_size: Number of ranks, or of replicas in one process; 1 when not distributed.
+        backend: The process group's backend (``"nccl"``, ``"gloo"``) or the strategy's
+            class name; ``""`` when not distributed.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    backend: str = ""
 
 
 @dataclass
@@ -164,6 +188,9 @@ class Adapter(Protocol):
     def grads_changed_in_place(self) -> None:
         """Say that parameter gradients changed in place, unseen by the framework (a loss
         scaler unscaling them), so that the step measures them again when it closes."""
+
+    def distribution(self) -> Distribution:
+        """This process's rank, the world size and the backend (read on entering)."""
 
     def matched_names(self) -> set[str]:
         """Names from ``keep=`` and ``intervene=`` that matched a layer or a tap so far."""
@@ -310,6 +337,10 @@ class BaseAdapter:
 
     def grads_changed_in_place(self) -> None:
         """Nothing to do where gradients are not measured before the step closes."""
+
+    def distribution(self) -> Distribution:
+        """One process, not distributed (adapters of distributed frameworks override it)."""
+        return Distribution()
 
     def _fail_open(self, where: str) -> FailOpen:
         """``with self._fail_open(layer): ...`` around the body of every hook.

@@ -27,6 +27,7 @@ import pandas as pd
 from rich.console import Console
 
 from graddebug.errors import GradDebugError, MissingFrameworkError, printable
+from graddebug.frames import with_rank
 from graddebug.report.console import (
     csv_text,
     frame_table,
@@ -64,7 +65,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         f"[bold]graddebug demo[/bold]: {terminal_text(report.metadata.get('demo', ''))} "
         f"({time.perf_counter() - started:.1f} s)."
     )
-    print_frame(console, report.findings(), "Findings", FINDING_COLUMNS)
+    findings = report.findings()
+    print_frame(console, findings, "Findings", with_rank(findings, FINDING_COLUMNS))
     print_frame(console, report.summary(), "Per-layer summary", SUMMARY_COLUMNS)
     return 0
 

@@ -15,6 +15,7 @@ from enum import Enum
 from typing import NamedTuple
 
 __all__ = [
+    "ALL_RANKS",
     "EVENT_COLUMNS",
     "EVENT_DTYPES",
     "FINDING_COLUMNS",
@@ -62,6 +63,9 @@ class Record(NamedTuple):
         inf: The gradient holds at least one +-Inf (reported as False when NaN is also present
             and the adapter cannot tell).
         pre_norm: L2 norm before an intervention; NaN where none acted.
+        rank: The process (``torch.distributed`` rank) or replica (``tf.distribute``) that
+            recorded the row; 0 in one process. Rows that combine every rank carry
+            :data:`ALL_RANKS`.
     """
 
     step: int
@@ -79,6 +83,7 @@ class Record(NamedTuple):
     nan: bool
     inf: bool
     pre_norm: float = float("nan")
+    rank: int = 0
 
     @classmethod
     def from_sums(
@@ -98,6 +103,7 @@ class Record(NamedTuple):
         nan: bool,
         inf: bool,
         pre_norm: float = float("nan"),
+        rank: int = 0,
     ) -> Record:
         """Build a record from the sums adapters accumulate: the mean is ``total / numel`` and
         the population std follows from the norm and the mean, with no extra pass.
@@ -114,18 +120,23 @@ class Record(NamedTuple):
         # tuple.__new__ skips the generated keyword-checking __new__: 3x faster, and a large
         # model closes tens of thousands of records a step.
         return tuple.__new__(cls, (step, layer, tensor, kind, depth, shape, numel, norm, mean,
-                                   std, absmax, zero_frac, nan, inf and not nan, pre_norm))
+                                   std, absmax, zero_frac, nan, inf and not nan, pre_norm,
+                                   rank))
 
 
-RECORD_COLUMNS: tuple[str, ...] = Record._fields[:-1]
-"""The frame's columns in contract order; ``pre_norm`` follows only where an intervention acted."""
+ALL_RANKS = -1
+"""The ``rank`` of a row or finding that combines every rank of a multi-rank run."""
+
+RECORD_COLUMNS: tuple[str, ...] = (*Record._fields[:-2], "rank")
+"""The frame's columns in contract order; ``pre_norm`` comes before ``rank`` only where an
+intervention acted."""
 
 _OBJ, _I64, _F64, _BOOL = "object", "int64", "float64", "bool"
 
 RECORD_DTYPES: dict[str, str] = {
     "step": _I64, "layer": _OBJ, "tensor": _OBJ, "kind": _OBJ, "depth": _I64, "shape": _OBJ,
     "numel": _I64, "norm": _F64, "mean": _F64, "std": _F64, "absmax": _F64, "zero_frac": _F64,
-    "nan": _BOOL, "inf": _BOOL, "pre_norm": _F64,
+    "nan": _BOOL, "inf": _BOOL, "pre_norm": _F64, "rank": _I64,
 }
 """The pandas dtype of every :class:`Record` field, ``pre_norm`` included."""
 
@@ -141,10 +152,17 @@ class EventKind(str, Enum):
     """A layer's output required a gradient in forward, but no gradient reached it."""
     FORWARD_NONFINITE = "forward_nonfinite"
     """A layer's output held NaN or Inf in the forward pass."""
+    SKIPPED_STEP = "skipped_step"
+    """A loss scaler (``torch.amp.GradScaler``, Keras ``LossScaleOptimizer``) found Inf or NaN
+    in the scaled gradients and skipped the optimizer step. ``detail`` is
+    ``"scale=<the loss scale of that backward pass>"``; the step's gradients are overflowed
+    by design, not a fault of the model, until the overflow persists."""
 
 
 class Event(NamedTuple):
-    """One structural fact about one tensor at one step."""
+    """One structural fact about one tensor at one step (``rank`` as in :class:`Record`;
+    a step-wide event such as :attr:`EventKind.SKIPPED_STEP` has empty ``layer`` and
+    ``tensor`` and depth -1)."""
 
     step: int
     layer: str
@@ -152,12 +170,14 @@ class Event(NamedTuple):
     depth: int
     event: str
     detail: str = ""
+    rank: int = 0
 
 
 EVENT_COLUMNS: tuple[str, ...] = Event._fields
 
 EVENT_DTYPES: dict[str, str] = {
     "step": _I64, "layer": _OBJ, "tensor": _OBJ, "depth": _I64, "event": _OBJ, "detail": _OBJ,
+    "rank": _I64,
 }
 """The pandas dtype of every :class:`Event` field."""
 
@@ -170,6 +190,8 @@ class Issue(str, Enum):
     NONFINITE = "nonfinite"
     CUT_GRAPH = "cut_graph"
     DEAD = "dead"
+    OVERFLOW = "overflow"
+    """A loss scaler skipped steps because the scaled gradients overflowed."""
     INTERNAL_ERROR = "internal_error"
 
 
@@ -203,6 +225,9 @@ class Finding(NamedTuple):
         value: The measured value the threshold was compared with (NaN if none applies).
         threshold: The threshold it crossed (NaN if none applies).
         message: A sentence that names the layer and says what to try.
+        rank: The rank whose rows show the problem: for a ``nonfinite`` finding the rank
+            where the NaN or Inf was born. 0 in one process; :data:`ALL_RANKS` where a
+            multi-rank run's combined rows show it.
     """
 
     step: int
@@ -213,12 +238,13 @@ class Finding(NamedTuple):
     value: float
     threshold: float
     message: str
+    rank: int = 0
 
 
 FINDING_COLUMNS: tuple[str, ...] = Finding._fields
 
 FINDING_DTYPES: dict[str, str] = {
     "step": _I64, "layer": _OBJ, "tensor": _OBJ, "issue": _OBJ, "severity": _OBJ,
-    "value": _F64, "threshold": _F64, "message": _OBJ,
+    "value": _F64, "threshold": _F64, "message": _OBJ, "rank": _I64,
 }
 """The pandas dtype of every :class:`Finding` field."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from graddebug.adapter import StepResult
+from graddebug.adapter import Distribution, StepResult
 from graddebug.capture.kept import KeptGradients
 from graddebug.errors import GradDebugError
 from graddebug.frames import event_frame, record_frame
@@ -62,6 +62,10 @@ class RunBuffer:
     With ``log_dir``, :attr:`records` and :attr:`events` hold only the rows not flushed yet;
     :meth:`frame` and :meth:`events_frame` read the whole run back.
 
+    :attr:`distribution` (set by the Watcher once its adapter is attached) says which rank
+    this process is: rows of a rank other than 0 are marked with it, and with ``log_dir``
+    each rank writes parts of its own into the one run directory.
+
     Args:
         log_dir: The run directory to stream to, or None to keep every row in memory.
         flush_every: With ``log_dir``, write a part every this many recorded steps.
@@ -88,6 +92,7 @@ class RunBuffer:
         self.log = RunWriter(log_dir, flush_every=flush_every) if log_dir is not None else None
         self._flushed_internal = 0
         self._cache: dict[str, pd.DataFrame] = {}
+        self.distribution = Distribution()
 
     @property
     def rows(self) -> int:
@@ -98,8 +103,13 @@ class RunBuffer:
 
     def add(self, step: int, result: StepResult) -> None:
         """Add a recorded step's rows; flush when a flush is due."""
-        self.records.extend(sorted(result.records, key=_row_order))
-        self.events.extend(result.events)
+        records, events = result.records, result.events
+        rank = self.distribution.rank
+        if rank:  # adapters build rows for rank 0; each process knows its own rank
+            records = [r._replace(rank=rank) for r in records]
+            events = [e._replace(rank=rank) for e in events]
+        self.records.extend(sorted(records, key=_row_order))
+        self.events.extend(events)
         if result.kept:
             self.kept.add(step, result.kept)
         self._cache.clear()
@@ -108,7 +118,7 @@ class RunBuffer:
 
     def add_internal(self, finding: Finding) -> None:
         """Add an internal error (a bug caught in a hook)."""
-        self.internal.append(finding)
+        self.internal.append(finding._replace(rank=self.distribution.rank))
         self._cache.clear()
 
     # -- log_dir ------------------------------------------------------------------------------
@@ -126,6 +136,8 @@ class RunBuffer:
         log = self.log
         if log is None:
             return
+        log.rank = self.distribution.rank
+        log.world_size = self.distribution.world_size
         log.create()
         try:
             log.start(*self._describe())

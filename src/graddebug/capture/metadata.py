@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from graddebug.adapter import WatchOptions
+    from graddebug.adapter import Distribution, WatchOptions
 
 __all__ = ["run_metadata"]
 
@@ -48,9 +48,10 @@ def _describe(value: Any) -> Any:
 
 
 def run_metadata(*, adapter: str | None, model: Any, options: WatchOptions,
-                 settings: Mapping[str, Any], started: str) -> dict[str, Any]:
+                 settings: Mapping[str, Any], started: str,
+                 distribution: Distribution) -> dict[str, Any]:
     """Describe a run for its JSON file: framework and versions, model class, options, start
-    time and host.
+    time, host, and the rank among the run's processes.
 
     Args:
         adapter: The adapter's name (``"torch"``), None before one was chosen.
@@ -58,6 +59,7 @@ def run_metadata(*, adapter: str | None, model: Any, options: WatchOptions,
         options: The validated ``watch`` options.
         settings: Further options of the Watcher (``every``, ``strict``, ...).
         started: When the ``with`` block was first entered (see :func:`now`).
+        distribution: This process's rank, the world size and the backend.
 
     Returns:
         A dict of JSON values.
@@ -82,9 +84,13 @@ def run_metadata(*, adapter: str | None, model: Any, options: WatchOptions,
             "outputs": options.outputs,
             "param_stats": options.param_stats,
             "optimizer": type(options.optimizer) if options.optimizer is not None else None,
+            "scaler": type(options.scaler) if options.scaler is not None else None,
             **settings,
         }),
         "started": started,
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "rank": distribution.rank,
+        "world_size": distribution.world_size,
+        "backend": distribution.backend,
     }

@@ -81,12 +81,14 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
                   keep: Sequence[str] | str | None, intervene: Mapping[str, Any] | None,
                   every: int, outputs: bool, param_stats: Literal["norm", "full"],
                   optimizer: Any, flush_every: int, strict: bool = False,
-                  log_dir: str | os.PathLike[str] | None = None) -> WatchOptions:
+                  log_dir: str | os.PathLike[str] | None = None,
+                  scaler: Any = None) -> WatchOptions:
     """Check the options of ``watch`` and return what the adapter reads.
 
     Args:
         params, layers, keep, intervene, every, outputs, param_stats, optimizer, flush_every,
-        strict, log_dir: As documented on :func:`graddebug.watch`.
+        strict, log_dir, scaler: As documented on :func:`graddebug.watch` (the adapter checks
+        that ``scaler`` is a scaler of its framework).
 
     Raises:
         ConfigError: An option has an unusable value.
@@ -118,6 +120,7 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
         param_stats=param_stats,
         optimizer=optimizer,
         every=every,
+        scaler=scaler,
     )
 
 

@@ -70,6 +70,7 @@ class Watcher(RunResults):
         outputs: bool = True,
         param_stats: Literal["norm", "full"] = "norm",
         optimizer: Any = None,
+        scaler: Any = None,
         thresholds: Thresholds | Mapping[str, float] | None = None,
         strict: bool = False,
         log_dir: str | os.PathLike[str] | None = None,
@@ -80,7 +81,7 @@ class Watcher(RunResults):
         self._options = build_options(
             params=params, layers=layers, keep=keep, intervene=intervene, every=every,
             outputs=outputs, param_stats=param_stats, optimizer=optimizer,
-            flush_every=flush_every, strict=strict, log_dir=log_dir)
+            flush_every=flush_every, strict=strict, log_dir=log_dir, scaler=scaler)
         self.strict = bool(strict)
         self.every = self._options.every
         self.tensorboard = check_tensorboard(tensorboard)
@@ -114,6 +115,10 @@ class Watcher(RunResults):
                 adapter = self._attach(target)
                 if self._options.optimizer is not None:
                     adapter.bind_optimizer(self._options.optimizer, self._optimizer_stepped)
+                # Adapters written before distribution() existed run in one process.
+                where = getattr(adapter, "distribution", None)
+                if where is not None:
+                    self._buffer.distribution = where()
             self._buffer.start()
         except BaseException:
             self._active = False
@@ -353,7 +358,7 @@ class Watcher(RunResults):
             settings.update(log_dir=str(log.path), flush_every=log.flush_every)
         return run_metadata(adapter=self._adapter.name if self._adapter is not None else None,
                             model=self._model, options=self._options, settings=settings,
-                            started=self._started)
+                            started=self._started, distribution=self._buffer.distribution)
 
     # -- the user's other calls -----------------------------------------------------------
 
@@ -465,6 +470,10 @@ def watch(model: Any = None, **options: Any) -> Watcher:
             - ``param_stats``: ``"norm"`` (default) or ``"full"`` for parameter statistics.
             - ``optimizer``: the optimizer; each of its steps closes a graddebug step, so the
               loop needs no ``dbg.step()``.
+            - ``scaler``: the loss scaler of mixed-precision training (``torch.amp.GradScaler``):
+              statistics are divided by its scale, and the steps it skips on overflow are
+              marked (``skipped_step`` events, an ``overflow`` finding), not taken for NaN
+              faults.
             - ``thresholds``: a :class:`Thresholds` or a dict of threshold overrides.
             - ``strict``: raise on a bug inside a hook instead of recording it.
             - ``log_dir``: a new directory to stream the run to while it trains (Parquet parts

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from graddebug.frames import finding_frame
+from graddebug.frames import combine_ranks, finding_frame
 from graddebug.plugins import get_plugin_manager
-from graddebug.records import EventKind, Finding, Issue, Kind, Severity
+from graddebug.records import ALL_RANKS, EventKind, Finding, Issue, Kind, Severity
 
 if TYPE_CHECKING:
     import pluggy
@@ -47,14 +47,44 @@ def diagnose(
         plugin_manager: The manager whose detectors run; the process-wide one by default.
 
     Returns:
-        The findings frame, ordered by step and severity.
+        The findings frame, ordered by step and severity. The rows of a multi-rank run are
+        diagnosed combined (:func:`graddebug.frames.combine_ranks`), and each finding says
+        which rank shows it.
     """
     pm = plugin_manager or get_plugin_manager()
-    evidence = Evidence(records=records, events=events)
-    found: list[Finding] = list(extra)
+    combined = combine_ranks(records)
+    evidence = Evidence(records=combined, events=events)
+    found: list[Finding] = []
     for batch in pm.hook.graddebug_findings(evidence=evidence, thresholds=thresholds):
         found.extend(batch)
-    return finding_frame(found)
+    return finding_frame([*extra, *_with_ranks(found, combined, events)])
+
+
+def _with_ranks(found: list[Finding], records: pd.DataFrame, events: pd.DataFrame
+                ) -> list[Finding]:
+    """Findings with the rank whose rows show them.
+
+    In one rank's rows that rank. In a multi-rank run's combined rows (see
+    :func:`graddebug.frames.combine_ranks`), a ``nonfinite`` finding names the lowest rank
+    where its tensor was not finite, in the backward rows or a forward event; other findings
+    concern every rank (:data:`~graddebug.records.ALL_RANKS`).
+    """
+    ranks = set(records["rank"].unique()) | set(events["rank"].unique())
+    if not found or ranks <= {0}:
+        return found
+    if len(ranks) == 1:
+        only = int(ranks.pop())
+        return [f._replace(rank=only) for f in found]
+    birth: dict[tuple[int, str, str], int] = {}
+    marked = records[records["rank"] != ALL_RANKS]
+    nonfinite = events[events["event"] == EventKind.FORWARD_NONFINITE.value]
+    for frame in (marked, nonfinite):
+        for step, layer, tensor, rank in zip(frame["step"], frame["layer"], frame["tensor"],
+                                             frame["rank"], strict=True):
+            key = (int(step), str(layer), str(tensor))
+            birth[key] = min(int(rank), birth.get(key, int(rank)))
+    return [f._replace(rank=birth.get((f.step, f.layer, f.tensor), ALL_RANKS)
+                       if f.issue == Issue.NONFINITE.value else ALL_RANKS) for f in found]
 
 
 @dataclass(frozen=True, eq=False)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from graddebug.frames import format_cell
+from graddebug.frames import format_cell, with_rank
 from graddebug.records import FINDING_COLUMNS, Severity
 from graddebug.report.digest import ISSUE_COLUMNS, WORST_COLUMNS, issue_table, worst_layers
 from graddebug.report.plots import figure_png, flow_figure, heatmap_figure
@@ -151,7 +151,7 @@ def render_html(report: Report, *, title: str | None = None,
         "<h2>Worst layers</h2>",
         _table(worst, WORST_COLUMNS, "layers"),
         "<h2>All findings</h2>",
-        _table(findings, FINDING_COLUMNS, "findings"),
+        _table(findings, with_rank(findings, FINDING_COLUMNS), "findings"),
         "<h2>Per-layer summary</h2>",
         _table(summary, list(summary.columns), "layers"),
         "<h2>Metadata</h2>",

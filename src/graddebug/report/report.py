@@ -37,6 +37,7 @@ def notebook_html(records: pd.DataFrame, findings: pd.DataFrame) -> str:
         An HTML fragment (no scripts, no external resources), every run string escaped.
     """
     from graddebug.errors import MissingFrameworkError
+    from graddebug.frames import with_rank
     from graddebug.records import FINDING_COLUMNS, Severity
     from graddebug.report.html import _table
 
@@ -48,7 +49,8 @@ def notebook_html(records: pd.DataFrame, findings: pd.DataFrame) -> str:
     parts = [f"<div><b>graddebug</b>: {steps} recorded step(s), {tensors} tensor(s); "
              f"{escape(verdict)}.</div>"]
     if not findings.empty:
-        parts.append(_table(findings, FINDING_COLUMNS, "findings", limit=NOTEBOOK_FINDINGS))
+        parts.append(_table(findings, with_rank(findings, FINDING_COLUMNS), "findings",
+                            limit=NOTEBOOK_FINDINGS))
     if steps:
         try:
             from graddebug.report.plots import figure_png, flow_figure

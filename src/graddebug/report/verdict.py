@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from graddebug.errors import ConfigError, close_matches, printable
-from graddebug.frames import format_cell
+from graddebug.frames import format_cell, with_rank
 from graddebug.records import FINDING_COLUMNS, Issue
 
 if TYPE_CHECKING:
@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = ["IgnoreRule", "assert_healthy", "findings_table", "parse_ignore", "unignored"]
 
-TABLE_COLUMNS: tuple[str, ...] = FINDING_COLUMNS
-"""Columns of the findings table, in order; ``message`` comes last and is never cut."""
+TABLE_COLUMNS: tuple[str, ...] = tuple(c for c in FINDING_COLUMNS if c != "rank")
+"""Columns of the findings table, in order; ``message`` comes last and is never cut. ``rank``
+follows ``step`` in a multi-rank run (:func:`graddebug.frames.with_rank`)."""
 
 MAX_ROWS = 40
 """Rows shown in the table; the rest are counted in its last line."""
@@ -143,11 +144,12 @@ def findings_table(findings: pd.DataFrame, max_rows: int = MAX_ROWS) -> str:
     if findings.empty:
         return "no findings"
     shown = findings.head(max_rows)
-    rows = [[_cell(v) for v in row] for row in shown[list(TABLE_COLUMNS)].itertuples(index=False)]
-    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(TABLE_COLUMNS)]
+    columns = with_rank(findings, TABLE_COLUMNS)
+    rows = [[_cell(v) for v in row] for row in shown[columns].itertuples(index=False)]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
     lines = []
-    rule = ["-" * w for w in widths[:-1]] + ["-" * len(TABLE_COLUMNS[-1])]
-    for cells in [list(TABLE_COLUMNS), rule, *rows]:
+    rule = ["-" * w for w in widths[:-1]] + ["-" * len(columns[-1])]
+    for cells in [columns, rule, *rows]:
         padded = [c.ljust(w) for c, w in zip(cells[:-1], widths, strict=False)]
         lines.append("  ".join([*padded, cells[-1]]).rstrip())
     if len(findings) > len(shown):

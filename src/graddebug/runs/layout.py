@@ -28,14 +28,17 @@ __all__ = [
     "FORMAT_VERSION",
     "META_FILE",
     "PART_RE",
+    "RANK_META_RE",
     "STREAMS",
     "atomic_write",
     "base_meta",
     "check_run_path",
     "is_run",
     "link_problem",
+    "meta_file",
     "now",
     "part_files",
+    "part_name",
     "read_meta",
     "write_json",
 ]
@@ -52,7 +55,21 @@ STREAMS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 }
 """The part streams: the tuple fields written for each, and their dtypes (from the schema)."""
 
-PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+PART_RE = re.compile(r"^part-(\d{6,})(?:-rank(\d{1,6}))?\.parquet$")
+"""A part's file name: its index, and the rank that wrote it when not 0."""
+RANK_META_RE = re.compile(r"^graddebug\.rank(\d{1,6})\.json$")
+"""The JSON file of a rank other than 0 in a multi-rank run (rank 0 writes :data:`META_FILE`,
+which holds the run's metadata; the others record only their own status)."""
+
+
+def part_name(index: int, rank: int = 0) -> str:
+    """The file name of part ``index`` written by ``rank``."""
+    return f"part-{index:06d}.parquet" if rank == 0 else f"part-{index:06d}-rank{rank}.parquet"
+
+
+def meta_file(rank: int = 0) -> str:
+    """The name of the JSON file that ``rank`` writes."""
+    return META_FILE if rank == 0 else f"graddebug.rank{rank}.json"
 
 
 def now() -> str:
@@ -106,14 +123,21 @@ def is_run(path: Path) -> bool:
     return path.is_dir() and (path / META_FILE).is_file()
 
 
-def part_files(path: Path) -> dict[str, list[Path]]:
-    """The part files of every stream of a run, in the order they were written."""
+def part_files(path: Path, rank: int | None = None) -> dict[str, list[Path]]:
+    """The part files of every stream of a run: rank by rank, each in the order written.
+
+    Args:
+        path: The run directory.
+        rank: Only the parts of this rank; None for every rank's.
+    """
     files: dict[str, list[Path]] = {}
     for stream in STREAMS:
         folder = path / stream
-        found = [(m, n) for n in (os.listdir(folder) if folder.is_dir() else [])
+        found = [((int(m[2] or 0), int(m[1])), n)
+                 for n in (os.listdir(folder) if folder.is_dir() else [])
                  if (m := PART_RE.match(n))]
-        files[stream] = [folder / n for m, n in sorted(found, key=lambda p: int(p[0][1]))]
+        files[stream] = [folder / n for key, n in sorted(found)
+                         if rank is None or key[0] == rank]
     return files
 
 

@@ -4,6 +4,7 @@ layer (:func:`graddebug.load`) turns what is read into a Report."""
 
 from __future__ import annotations
 
+import json
 import os
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,7 @@ from graddebug.runs.layout import (
     META_FILE,
     STREAMS,
     link_problem,
+    meta_file,
     part_files,
     read_meta,
 )
@@ -50,8 +52,16 @@ _TEXT = frozenset({"object", "str", "string"})
 """Dtype names of text columns: pandas versions name the schema's ``object`` columns
 differently, and all three hold the same values."""
 
-_OPTIONAL = frozenset({"pre_norm"})
-"""Schema columns a part or a spec may lack (``pre_norm`` exists only where one acted)."""
+_OPTIONAL = frozenset({"pre_norm", "rank"})
+"""Schema columns a part or a spec may lack: ``pre_norm`` exists only where one acted, and runs
+written before ``rank`` existed lack it (they come from one process: rank 0)."""
+
+
+def _ranked(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with its ``rank`` column, 0 where the file predates it (appended last)."""
+    if "rank" not in frame:
+        frame = frame.assign(rank=np.zeros(len(frame), dtype="int64"))
+    return frame
 
 
 class _Damaged(Exception):
@@ -159,11 +169,11 @@ def _stream_frame(stream: str, table: Any) -> pd.DataFrame:
     frame = table_to_frame(table, table_spec(table))
     if stream == "records" and "pre_norm" in frame and frame["pre_norm"].isna().all():
         frame = frame.drop(columns="pre_norm")  # as record_frame: only where one acted
-    return frame
+    return _ranked(frame)
 
 
 def read_streams(path: Path, *, pending: Mapping[str, Sequence[tuple[Any, ...]]],
-                 cache: dict[str, dict[Path, Any]]) -> dict[str, pd.DataFrame]:
+                 cache: dict[str, dict[Path, Any]], rank: int = 0) -> dict[str, pd.DataFrame]:
     """Return the record and event frames of a run being written, with rows still in memory.
 
     Args:
@@ -171,11 +181,12 @@ def read_streams(path: Path, *, pending: Mapping[str, Sequence[tuple[Any, ...]]]
         pending: Rows not flushed yet, by stream name.
         cache: Tables of parts read before, by stream and file; parts not in it are read and
             added, so that a Watcher asked for its frame again reads only the new parts.
+        rank: The rank whose parts are read (a Watcher reads back only its own).
 
     Raises:
         CorruptRunError: A part cannot be read.
     """
-    files = part_files(path)
+    files = part_files(path, rank)
     frames = {}
     for stream in ("records", "events"):
         known = cache.setdefault(stream, {})
@@ -278,7 +289,8 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
             raise
         damaged.append((run / META_FILE, str(exc.__cause__ or exc)))
         meta = {"status": "running", "metadata": {}, "thresholds": {}}
-    finished = meta.get("status") == "complete"
+    ranks = _rank_statuses(run, meta)
+    finished = meta.get("status") == "complete" and all(v == "complete" for v in ranks.values())
     complete = finished and isinstance(meta.get("columns"), dict)
     specs: dict[str, ColumnSpec] = {}
     if complete:
@@ -303,9 +315,10 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
         for stream, tables in streams.tables.items():
             table = _concat(stream, tables)
             spec = specs.get(stream)
-            frames[stream] = (table_to_frame(table, spec) if spec
+            frames[stream] = (_ranked(table_to_frame(table, spec)) if spec
                               else _stream_frame(stream, table))
-        findings = table_to_frame(others[findings_file], specs["findings"]) if complete else None
+        findings = (_ranked(table_to_frame(others[findings_file], specs["findings"]))
+                    if complete else None)
     except (KeyError, TypeError, ValueError) as exc:  # Arrow's errors derive from these too
         raise CorruptRunError(
             f"run {str(run)!r}: its files do not fit together or do not match {META_FILE} "
@@ -313,6 +326,10 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
         ) from exc
     stored = meta.get("metadata")
     metadata = dict(stored) if isinstance(stored, dict) else {}
+    if ranks:  # every rank's rows, step by step
+        for stream in ("records", "events"):
+            frames[stream] = frames[stream].sort_values(["step", "rank"], kind="stable",
+                                                        ignore_index=True)
     steps = frames["records"]["step"]
     metadata["run"] = {
         "path": str(run),
@@ -321,9 +338,36 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
         "steps": int(steps.nunique()),
         "last_step": int(steps.max()) if len(steps) else -1,
         "damaged": [str(f) for f, _ in damaged],
+        "ranks": {"0": meta.get("status"), **{str(r): v for r, v in ranks.items()}},
     }
     return StoredRun(run, frames["records"], frames["events"], frames["internal"], findings,
                      thresholds, metadata)
+
+
+def _rank_statuses(run: Path, meta: Mapping[str, Any]) -> dict[int, str]:
+    """The status of every rank but 0 of a multi-rank run (empty for one process).
+
+    A rank whose JSON file is missing or unreadable (killed before it wrote one, or while
+    writing) counts as ``"running"``: its rows are read as streamed, and the run is not
+    complete.
+    """
+    stored = meta.get("metadata")
+    size = stored.get("world_size") if isinstance(stored, dict) else None
+    if not isinstance(size, int) or size <= 1:
+        return {}
+    statuses = {}
+    for rank in range(1, size):
+        file = run / meta_file(rank)
+        status = "running"
+        if link_problem(run, file) is None and file.is_file():
+            try:
+                loaded = json.loads(file.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                loaded = None
+            if isinstance(loaded, dict) and isinstance(loaded.get("status"), str):
+                status = loaded["status"]
+        statuses[rank] = status
+    return statuses
 
 
 def _specs(stored: Any, file: Path) -> dict[str, ColumnSpec]:

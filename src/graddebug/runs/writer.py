@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from graddebug.errors import ConfigError, RunFileError
+from graddebug.errors import ConfigError, GradDebugError, RunFileError
 from graddebug.records import Event, Finding, Record
 from graddebug.runs.arrowio import (
     ColumnSpec,
@@ -23,11 +23,16 @@ from graddebug.runs.arrowio import (
 from graddebug.runs.layout import (
     FINDINGS_FILE,
     META_FILE,
+    RANK_META_RE,
     STREAMS,
     atomic_write,
     base_meta,
     is_run,
+    meta_file,
     now,
+    part_files,
+    part_name,
+    read_meta,
     write_json,
 )
 from graddebug.runs.reader import read_streams
@@ -109,12 +114,18 @@ class RunWriter:
 
     The Watcher keeps only what is not yet flushed; :meth:`read` returns the whole run.
 
+    In a multi-rank run every rank has a RunWriter on the same directory (set :attr:`rank`
+    and :attr:`world_size` before :meth:`create`): each writes parts named with its rank and a
+    JSON file of its own status; rank 0's JSON file holds the run's metadata. The findings
+    of a multi-rank run are diagnosed on loading, from every rank's rows.
+
     Args:
-        path: The run directory; it must not exist yet, or be empty.
+        path: The run directory; it must not exist yet, or hold nothing but other ranks' files
+            of a run being written.
         flush_every: Write a part after this many recorded steps.
 
     Raises:
-        ConfigError: ``path`` is a file or a non-empty directory.
+        ConfigError: ``path`` is a file, a finished run, or a directory of other files.
         MissingFrameworkError: pyarrow is not installed.
     """
 
@@ -122,6 +133,8 @@ class RunWriter:
         require_pyarrow()
         self.path = Path(path)
         self.flush_every = flush_every
+        self.rank = 0
+        self.world_size = 1
         self._check_free()
         self._started = False
         self._parts = 0
@@ -131,14 +144,38 @@ class RunWriter:
         # Parts read back by read(), kept only once someone asked for the frame mid-run.
         self._cache: dict[str, dict[Path, Any]] = {}
 
+    def _refuse(self, what: str) -> ConfigError:
+        return ConfigError(
+            f"log_dir={str(self.path)!r} is {what}; graddebug will not overwrite it (it may "
+            "be the post-mortem of an earlier run). Pass a new directory, e.g. "
+            "log_dir=f\"runs/{time.strftime('%Y%m%d-%H%M%S')}\"."
+        )
+
     def _check_free(self) -> None:
-        if self.path.is_file() or (self.path.is_dir() and any(self.path.iterdir())):
-            what = "a graddebug run" if is_run(self.path) else "a file or a non-empty directory"
-            raise ConfigError(
-                f"log_dir={str(self.path)!r} is {what}; graddebug will not overwrite it (it may "
-                "be the post-mortem of an earlier run). Pass a new directory, e.g. "
-                "log_dir=f\"runs/{time.strftime('%Y%m%d-%H%M%S')}\"."
-            )
+        """Refuse a file, a finished run, and a directory holding anything but a run's layout.
+
+        The ranks of a distributed run create the directory concurrently, so another rank's
+        files may be there already; which of them is this rank's is known only once the
+        adapter is attached (:meth:`create` checks that).
+        """
+        if self.path.is_file():
+            raise self._refuse("a file")
+        if not self.path.is_dir():
+            return
+        names = os.listdir(self.path)
+        foreign = [n for n in names if not _run_layout_name(n)]
+        if foreign:
+            raise self._refuse("a non-empty directory")
+        if META_FILE in names and _status(self.path) != "running":
+            raise self._refuse("a graddebug run")
+
+    def _check_own_files(self) -> None:
+        """Refuse a directory that holds files this rank would write: an earlier run's."""
+        own = self.path / meta_file(self.rank)
+        parts = part_files(self.path, self.rank) if self.path.is_dir() else {}
+        if own.exists() or any(parts.values()):
+            raise self._refuse("a graddebug run" if self.rank == 0 else
+                               f"a graddebug run that has files of rank {self.rank} already")
 
     @property
     def parts(self) -> int:
@@ -154,6 +191,7 @@ class RunWriter:
         """
         if not self._started:
             self._check_free()
+            self._check_own_files()
             for stream in STREAMS:
                 (self.path / stream).mkdir(parents=True, exist_ok=True)
             self._started = True
@@ -163,7 +201,7 @@ class RunWriter:
         self.create()
         self._meta = base_meta("running", metadata, thresholds, flush_every=self.flush_every,
                                 parts=self._parts)
-        write_json(self.path / META_FILE, self._meta)
+        write_json(self.path / meta_file(self.rank), self._meta)
 
     def step_recorded(self) -> bool:
         """Count one recorded step; return whether a flush is due."""
@@ -178,7 +216,7 @@ class RunWriter:
         self._last_flush = time.monotonic()
         if not (records or events or internal):
             return
-        name = f"part-{self._parts:06d}.parquet"
+        name = part_name(self._parts, self.rank)
         for stream, rows in (("records", records), ("events", events), ("internal", internal)):
             if rows:
                 fields, types = STREAMS[stream]
@@ -194,7 +232,7 @@ class RunWriter:
         for the frame repeatedly during training reads each part once.
         """
         frames = read_streams(self.path, pending={"records": records, "events": events},
-                              cache=self._cache)
+                              cache=self._cache, rank=self.rank)
         return frames["records"], frames["events"]
 
     def release(self) -> None:
@@ -206,6 +244,9 @@ class RunWriter:
                incomplete: str | None = None) -> None:
         """Write the findings and mark the run finished (after a final :meth:`flush`).
 
+        In a multi-rank run no rank writes findings: each holds only its own rows, and the
+        run is diagnosed on loading from every rank's. Each rank marks its own JSON file.
+
         Args:
             records, events, findings: The whole run's frames (their column specs are stored).
             metadata: Facts about the run.
@@ -214,11 +255,29 @@ class RunWriter:
                 marked ``"incomplete"`` with this reason (``metadata["incomplete_reason"]``),
                 never ``"complete"``.
         """
-        _write_parquet(self.path / FINDINGS_FILE, frame_to_table(findings)[0])
+        if self.world_size == 1:
+            _write_parquet(self.path / FINDINGS_FILE, frame_to_table(findings)[0])
         columns = _specs(records=records, events=events, findings=findings)
         status, extra = "complete", {}
         if incomplete is not None:
             status, extra = "incomplete", {"incomplete_reason": incomplete}
-        write_json(self.path / META_FILE, base_meta(
+        write_json(self.path / meta_file(self.rank), base_meta(
             status, {**metadata, **extra, "finished": now()}, thresholds,
             flush_every=self.flush_every, parts=self._parts, columns=columns))
+
+
+def _run_layout_name(name: str) -> bool:
+    """Whether ``name`` is a file or folder a (multi-rank) run directory holds."""
+    return (name in STREAMS or name in (META_FILE, FINDINGS_FILE)
+            or RANK_META_RE.match(name) is not None
+            or (name.startswith(".") and name.endswith(".tmp")))
+
+
+def _status(path: Path) -> str | None:
+    """The status in a run's JSON file; None when it cannot be read."""
+    try:
+        meta = read_meta(path)
+    except GradDebugError:
+        return None
+    status = meta.get("status")
+    return status if isinstance(status, str) else None

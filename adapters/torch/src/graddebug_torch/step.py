@@ -344,7 +344,7 @@ def _param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
     if extra is None:  # param_stats="norm": no mean, std or absmax to derive
         return tuple.__new__(Record, (
             step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape), grad.numel(),
-            norm, math.nan, math.nan, math.nan, math.nan, nan, inf and not nan, math.nan))
+            norm, math.nan, math.nan, math.nan, math.nan, nan, inf and not nan, math.nan, 0))
     return _record(step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
                    grad.numel(), norm, extra[0], extra[1], math.nan, nan, inf)
 
