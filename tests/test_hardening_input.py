@@ -29,7 +29,7 @@ NUMPY_FLOATS = (np.float32, np.float64)
 
 @pytest.mark.parametrize(("name", "kind"), [
     (name, kind) for name in Thresholds.names() for kind in (*NUMPY_INTS, *NUMPY_FLOATS)
-    if not (name == "growth_window" and kind in NUMPY_FLOATS)  # counts steps: ints only
+    if not (name in ("growth_window", "overflow_steps") and kind in NUMPY_FLOATS)  # ints only
 ], ids=str)
 def test_every_threshold_accepts_numpy_scalars_and_stores_python_numbers(name: str,
                                                                           kind: type) -> None:

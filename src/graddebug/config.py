@@ -87,6 +87,10 @@ class Thresholds:
         dead_fraction: Dead when at least this fraction of a layer's units (features or
             channels) got an all-zero gradient over the whole batch, in the median step
             (AUTOTRAINER's gamma, 0.7).
+        overflow_steps: A loss scaler's skipped steps are an error, not a warning, from this
+            many consecutive recorded steps on (10: each skip halves the scale, and a healthy
+            run skips a handful at its start while the scale settles from 65536), or as soon
+            as a skipped step's scale is below 1 (the gradients overflow unscaled).
     """
 
     vanishing_ratio: float = 1e-3
@@ -100,6 +104,7 @@ class Thresholds:
     growth_factor: float = 100.0
     growth_window: int = 5
     dead_fraction: float = 0.7
+    overflow_steps: int = 10
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -124,10 +129,11 @@ class Thresholds:
                     f"threshold {name}={getattr(self, name)!r} is {what} and must lie in "
                     f"(0, 1]; the default is {getattr(type(self), name)!r}."
                 )
-        if not isinstance(self.growth_window, int):
-            raise ConfigError(
-                f"threshold growth_window={self.growth_window!r} counts steps and must be an int."
-            )
+        for name in ("growth_window", "overflow_steps"):
+            if not isinstance(getattr(self, name), int):
+                raise ConfigError(
+                    f"threshold {name}={getattr(self, name)!r} counts steps and must be an int."
+                )
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "graddebug.detectors.vanishing",
     "graddebug.detectors.exploding",
     "graddebug.detectors.nonfinite",
+    "graddebug.detectors.overflow",
     "graddebug.detectors.cutgraph",
     "graddebug.detectors.dead",
     "graddebug.integrations.tensorboard",

@@ -112,6 +112,16 @@ class Evidence:
         return frozenset(int(s) for s in steps)
 
     @functools.cached_property
+    def skipped_steps(self) -> frozenset[int]:
+        """Steps a loss scaler skipped because the scaled gradients overflowed (their
+        non-finite gradients are the scaler's business, see the ``overflow`` diagnosis)."""
+        events = self.events
+        if events.empty:
+            return frozenset()
+        skipped = events.loc[events["event"] == EventKind.SKIPPED_STEP.value, "step"]
+        return frozenset(int(s) for s in skipped)
+
+    @functools.cached_property
     def clean(self) -> pd.DataFrame:
         """The records of the steps that stayed finite.
 

@@ -25,12 +25,17 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     """Name the layer where NaN/Inf first appears, in forward order or else backward order."""
     records, events = evidence.records, evidence.events
     bad_rows = records[records["nan"] | records["inf"]] if not records.empty else records
+    # A loss scaler's skipped step overflowed in backward by design (the overflow diagnosis
+    # judges those); a NaN in its forward pass is no scaling artefact and stays a fault here.
+    skipped = evidence.skipped_steps
+    if skipped:
+        bad_rows = bad_rows[~bad_rows["step"].isin(skipped)]
     forward = events[events["event"] == EventKind.FORWARD_NONFINITE.value]
     steps = sorted(set(bad_rows["step"]) | set(forward["step"]))
     # Only the first broken step has a meaningful origin: once an optimizer applies a NaN
     # update, every later step is NaN everywhere.
     for step in steps:
-        origin = _origin(int(step), bad_rows[bad_rows["step"] == step],
+        origin = origin_of(int(step), bad_rows[bad_rows["step"] == step],
                          forward[forward["step"] == step], records[records["step"] == step])
         if origin is not None:
             later = len(steps) - 1
@@ -47,8 +52,19 @@ def _what(rows: pd.DataFrame) -> str:
     return "NaN and Inf" if nan and inf else "Inf" if inf else "NaN"
 
 
-def _origin(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
-            step_rows: pd.DataFrame) -> Finding | None:
+def origin_of(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
+              step_rows: pd.DataFrame) -> Finding | None:
+    """The ``nonfinite`` finding that names where NaN/Inf was born in ``step``.
+
+    Args:
+        step: The step.
+        bad: Its non-finite record rows.
+        forward: Its ``forward_nonfinite`` events (a forward birth wins).
+        step_rows: All its record rows (backward order gives the origin).
+
+    Returns:
+        The finding, or None when nothing in the step is non-finite.
+    """
     if not forward.empty:
         first = forward.sort_values("depth", kind="stable").iloc[0]
         return finding(

@@ -291,7 +291,8 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
         meta = {"status": "running", "metadata": {}, "thresholds": {}}
     ranks = _rank_statuses(run, meta)
     finished = meta.get("status") == "complete" and all(v == "complete" for v in ranks.values())
-    complete = finished and isinstance(meta.get("columns"), dict)
+    # A multi-rank run stores no findings: they come from every rank's rows, on loading.
+    complete = finished and not ranks and isinstance(meta.get("columns"), dict)
     specs: dict[str, ColumnSpec] = {}
     if complete:
         try:

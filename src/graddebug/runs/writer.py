@@ -152,7 +152,8 @@ class RunWriter:
         )
 
     def _check_free(self) -> None:
-        """Refuse a file, a finished run, and a directory holding anything but a run's layout.
+        """Refuse a file, a finished one-process run, and a directory holding anything but a
+        run's layout.
 
         The ranks of a distributed run create the directory concurrently, so another rank's
         files may be there already; which of them is this rank's is known only once the
@@ -166,7 +167,7 @@ class RunWriter:
         foreign = [n for n in names if not _run_layout_name(n)]
         if foreign:
             raise self._refuse("a non-empty directory")
-        if META_FILE in names and _status(self.path) != "running":
+        if META_FILE in names and not _joinable(self.path):
             raise self._refuse("a graddebug run")
 
     def _check_own_files(self) -> None:
@@ -273,11 +274,13 @@ def _run_layout_name(name: str) -> bool:
             or (name.startswith(".") and name.endswith(".tmp")))
 
 
-def _status(path: Path) -> str | None:
-    """The status in a run's JSON file; None when it cannot be read."""
+def _joinable(path: Path) -> bool:
+    """Whether the run at ``path`` may be one this process joins as a further rank: a run
+    being written, or one of several ranks (whose other ranks may still be writing)."""
     try:
         meta = read_meta(path)
     except GradDebugError:
-        return None
-    status = meta.get("status")
-    return status if isinstance(status, str) else None
+        return False
+    stored = meta.get("metadata")
+    size = stored.get("world_size") if isinstance(stored, dict) else None
+    return meta.get("status") == "running" or (isinstance(size, int) and size > 1)
