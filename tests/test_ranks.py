@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import graddebug
@@ -89,6 +90,7 @@ def test_a_nan_on_one_rank_is_named_with_that_rank() -> None:
     nonfinite = findings[findings["issue"] == "nonfinite"]
     assert len(nonfinite) == 1
     assert nonfinite.iloc[0][["step", "layer", "rank"]].tolist() == [2, "hidden", 1]
+    assert nonfinite.iloc[0]["message"].endswith("It appeared on rank 1.")
 
 
 def test_a_forward_nan_event_on_one_rank_names_that_rank() -> None:
@@ -151,6 +153,23 @@ def test_every_rank_writes_into_one_run_and_loading_reads_them_all(tmp_path: Pat
     summary = report.summary()
     assert len(summary) == 2 * len(LAYERS)  # one row per tensor, not per rank
     assert not (run / "findings.parquet").exists()
+    saved = graddebug.load(report.save(tmp_path / "saved"))  # every rank in one run
+    assert saved.metadata["run"]["status"] == "complete"
+    assert not saved.metadata["run"]["rediagnosed"]
+    pd.testing.assert_frame_equal(saved.frame(), frame)
+    pd.testing.assert_frame_equal(saved.findings(), report.findings())
+
+
+def test_the_cli_reports_a_multi_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          ) -> None:
+    from graddebug.cli import main
+
+    rows, _ = two_ranks(steps=4, nan_at=(3, 1, "head"))
+    write_rank(tmp_path / "run", 0, rows)
+    write_rank(tmp_path / "run", 1, rows)
+    assert main(["report", str(tmp_path / "run"), "--table", "findings"]) == 1  # an error
+    out = capsys.readouterr().out
+    assert "2 ranks (gloo)" in out and "rank 1" in out
 
 
 def test_a_killed_rank_leaves_a_loadable_incomplete_run(tmp_path: Path) -> None:

@@ -148,6 +148,15 @@ def _tables(report: Report, top: int) -> dict[str, pd.DataFrame]:
     }
 
 
+def _ranks(meta: dict[str, Any]) -> str:
+    """``"2 ranks (gloo)"`` for a multi-rank run, else empty."""
+    size = meta.get("world_size")
+    if not isinstance(size, int) or size <= 1:
+        return ""
+    backend = meta.get("backend")
+    return f"{size} ranks" + (f" ({backend})" if backend else "")
+
+
 def _headline(report: Report, path: str) -> str:
     meta = report.metadata
     run = meta.get("run") or {}
@@ -158,7 +167,8 @@ def _headline(report: Report, path: str) -> str:
                          if meta.get(k))
     facts = ", ".join(terminal_text(x) for x in (
         framework, meta.get("model"), f"{report.frame()['step'].nunique()} recorded steps",
-        f"{len(report.summary())} tensors", meta.get("started") and f"started {meta['started']}",
+        f"{len(report.summary())} tensors", _ranks(meta),
+        meta.get("started") and f"started {meta['started']}",
         meta.get("host") and f"on {meta['host']}") if x)
     return f"[bold]graddebug report[/bold] {terminal_text(path)} ({state})\n{facts}"
 

@@ -83,8 +83,14 @@ def _with_ranks(found: list[Finding], records: pd.DataFrame, events: pd.DataFram
                                              frame["rank"], strict=True):
             key = (int(step), str(layer), str(tensor))
             birth[key] = min(int(rank), birth.get(key, int(rank)))
-    return [f._replace(rank=birth.get((f.step, f.layer, f.tensor), ALL_RANKS)
-                       if f.issue == Issue.NONFINITE.value else ALL_RANKS) for f in found]
+    out = []
+    for f in found:
+        rank = birth.get((f.step, f.layer, f.tensor), ALL_RANKS) \
+            if f.issue == Issue.NONFINITE.value else ALL_RANKS
+        if rank != ALL_RANKS:
+            f = f._replace(message=f"{f.message} It appeared on rank {rank}.")
+        out.append(f._replace(rank=rank))
+    return out
 
 
 @dataclass(frozen=True, eq=False)

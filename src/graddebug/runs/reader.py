@@ -346,7 +346,8 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
 
 
 def _rank_statuses(run: Path, meta: Mapping[str, Any]) -> dict[int, str]:
-    """The status of every rank but 0 of a multi-rank run (empty for one process).
+    """The status of every rank but 0 of a multi-rank run as streamed (empty for one process
+    and for a run that ``save()`` wrote whole).
 
     A rank whose JSON file is missing or unreadable (killed before it wrote one, or while
     writing) counts as ``"running"``: its rows are read as streamed, and the run is not
@@ -354,8 +355,8 @@ def _rank_statuses(run: Path, meta: Mapping[str, Any]) -> dict[int, str]:
     """
     stored = meta.get("metadata")
     size = stored.get("world_size") if isinstance(stored, dict) else None
-    if not isinstance(size, int) or size <= 1:
-        return {}
+    if not isinstance(size, int) or size <= 1 or meta.get("merged"):
+        return {}  # one process, or every rank's rows saved as one run (save())
     statuses = {}
     for rank in range(1, size):
         file = run / meta_file(rank)

@@ -95,7 +95,7 @@ def write_run(path: str | os.PathLike[str], records: pd.DataFrame, events: pd.Da
         (tmp / "internal").mkdir()
         _write_parquet(tmp / FINDINGS_FILE, frame_to_table(findings)[0])
         write_json(tmp / META_FILE, base_meta(
-            "complete", metadata, thresholds, parts=1,
+            "complete", metadata, thresholds, parts=1, merged=True,
             columns=_specs(records=records, events=events, findings=findings)))
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
