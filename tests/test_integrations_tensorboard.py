@@ -102,3 +102,37 @@ def test_tensorboard_option_is_checked_early(monkeypatch: pytest.MonkeyPatch) ->
         graddebug.watch(tensorboard="tb")
     with pytest.raises(MissingFrameworkError, match=r"graddebug\[tensorboard\]"):
         write_report(runs.healthy(), "tb")
+
+
+def test_a_multi_rank_run_is_written_as_its_global_view(tmp_path: Path) -> None:
+    from graddebug.frames import combine_ranks
+    from test_ranks import two_ranks, write_rank
+
+    rows, _ = two_ranks(steps=3)
+    write_rank(tmp_path / "run", 0, rows)
+    write_rank(tmp_path / "run", 1, rows)
+    report = graddebug.load(tmp_path / "run")
+    write_report(report, tmp_path / "tb")
+    events = _read(tmp_path / "tb")
+    combined = combine_ranks(report.frame())
+    hidden = combined[(combined["layer"] == "hidden") & (combined["tensor"] == "output")]
+    got = events.Scalars("graddebug/hidden.output/norm")
+    assert [e.step for e in got] == [0, 1, 2]  # one value a step, not one per rank
+    np.testing.assert_allclose([e.value for e in got], hidden["norm"], rtol=1e-6)
+    assert not any("rank" in tag for tag in events.Tags()["scalars"])
+
+
+def test_each_rank_streams_to_a_run_of_its_own(tmp_path: Path) -> None:
+    from graddebug.adapter import Distribution, StepResult
+    from graddebug.integrations import tensorboard
+
+    class Rank1:
+        tensorboard = tmp_path / "tb"
+        distribution = Distribution(rank=1, world_size=2, backend="gloo")
+
+    watcher, records = Rank1(), runs.records(steps=1)
+    tensorboard.graddebug_step_recorded(watcher, 0, StepResult(records=records))
+    tensorboard.graddebug_run_finished(watcher)
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == ["rank1"]  # rank 0's stays free
+    events = _read(tmp_path / "tb" / "rank1")
+    assert len(events.Tags()["scalars"]) == len(records)

@@ -122,6 +122,10 @@ class WatchContext(Protocol):
     def adapter(self) -> Adapter | None:
         """The adapter serving the Watcher, once one was chosen."""
 
+    @property
+    def distribution(self) -> Distribution:
+        """This process's rank, the world size and the backend (known once entered)."""
+
     def internal_error(self, exc: BaseException, where: str) -> None:
         """Report a bug caught inside a hook: record it, or raise when ``strict=True``."""
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import pluggy
 
-from graddebug.adapter import Adapter, StepResult
+from graddebug.adapter import Adapter, Distribution, StepResult
 from graddebug.capture.buffer import RunBuffer, gc_paused
 from graddebug.capture.kept import KEEP_STEPS, check_keep_steps
 from graddebug.capture.layers import Intervention
@@ -196,6 +196,12 @@ class Watcher(RunResults):
         ``grads_changed_in_place``); its hooks and buffers are private.
         """
         return self._adapter
+
+    @property
+    def distribution(self) -> Distribution:
+        """Where this Watcher runs: its rank, the world size and the backend, as the adapter
+        found them on entering (rank 0 of 1 in one process, and before entering)."""
+        return self._buffer.distribution
 
     @property
     def step_state(self) -> StepState:

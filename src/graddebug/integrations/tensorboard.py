@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from graddebug.errors import MissingFrameworkError
+from graddebug.frames import combine_ranks
 from graddebug.hookspecs import hookimpl
 from graddebug.records import Record
 
@@ -62,9 +63,11 @@ def _tensorboardx() -> ModuleType:
         ) from exc
 
 
-def scalar_tag(layer: str, tensor: str) -> str:
-    """The scalar tag of one tensor's norm: ``graddebug/<layer>.<tensor>/norm``."""
-    return f"graddebug/{layer}.{tensor}/norm"
+def scalar_tag(layer: str, tensor: str, rank: int = 0) -> str:
+    """The scalar tag of one tensor's norm: ``graddebug/<layer>.<tensor>/norm``, with
+    ``/rank<r>`` appended for the rows of a replica other than 0 in one process."""
+    suffix = f"/rank{rank}" if rank > 0 else ""
+    return f"graddebug/{layer}.{tensor}/norm{suffix}"
 
 
 def histogram_tag(kind: str) -> str:
@@ -73,11 +76,11 @@ def histogram_tag(kind: str) -> str:
 
 
 def _write_step(writer: Any, step: int,
-                rows: Iterable[tuple[str, str, str, float]]) -> None:
-    """Write one step: ``rows`` are (layer, tensor, kind, norm)."""
+                rows: Iterable[tuple[str, str, str, float, int]]) -> None:
+    """Write one step: ``rows`` are (layer, tensor, kind, norm, rank)."""
     by_kind: dict[str, list[float]] = {}
-    for layer, tensor, kind, norm in rows:
-        writer.add_scalar(scalar_tag(layer, tensor), float(norm), global_step=step)
+    for layer, tensor, kind, norm, rank in rows:
+        writer.add_scalar(scalar_tag(layer, tensor, rank), float(norm), global_step=step)
         if math.isfinite(norm) and norm > 0:
             by_kind.setdefault(kind, []).append(math.log10(norm))
     for kind, values in sorted(by_kind.items()):
@@ -85,8 +88,8 @@ def _write_step(writer: Any, step: int,
                              bins="auto")
 
 
-def _rows(records: Iterable[Record]) -> list[tuple[str, str, str, float]]:
-    return [(r.layer, r.tensor, r.kind, r.norm) for r in records]
+def _rows(records: Iterable[Record]) -> list[tuple[str, str, str, float, int]]:
+    return [(r.layer, r.tensor, r.kind, r.norm, r.rank) for r in records]
 
 
 def write_report(report: Report, log_dir: str | os.PathLike[str]) -> Path:
@@ -105,9 +108,9 @@ def write_report(report: Report, log_dir: str | os.PathLike[str]) -> Path:
     """
     writer = _tensorboardx().SummaryWriter(logdir=str(log_dir))
     try:
-        frame = report.frame()
+        frame = combine_ranks(report.frame())  # a multi-rank run as its global view
         steps = frame["step"].to_numpy()
-        columns = frame[["layer", "tensor", "kind", "norm"]]
+        columns = frame[["layer", "tensor", "kind", "norm", "rank"]]
         for step in np.unique(steps):
             _write_step(writer, int(step),
                         columns[steps == step].itertuples(index=False, name=None))
@@ -124,6 +127,9 @@ def graddebug_step_recorded(watcher: WatchContext, step: int, result: StepResult
         return
     writer = _WRITERS.get(watcher)
     if writer is None:
+        rank = watcher.distribution.rank
+        if rank:  # each rank of a distributed run is a TensorBoard run of its own
+            log_dir = Path(log_dir) / f"rank{rank}"
         writer = _WRITERS[watcher] = _tensorboardx().SummaryWriter(logdir=str(log_dir))
     _write_step(writer, step, _rows(result.records))
 
