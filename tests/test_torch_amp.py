@@ -8,6 +8,7 @@ to the scaled model and its gradients equal the scaled ones divided by the scale
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable
@@ -204,6 +205,47 @@ def test_finite_gradients_of_a_skipped_step_are_unscaled(order: str, fused: bool
         np.testing.assert_allclose(frame.loc[(step, "b"), "norm"], float(x.norm()), rtol=1e-6)
     assert frame.loc[(0, "a"), "norm"] == pytest.approx(math.sqrt(3))
     assert frame.loc[(1, "a"), "inf"]
+
+
+TO_HOST = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.mark.parametrize("order", ["dbg.step after update", "optimizer="])
+def test_the_scale_costs_no_host_sync(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call that brings tensor values to the host is counted; a watched iteration
+    makes one more than the plain one (the step's statistics), and none when every= skips."""
+    count = [0]
+
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return original(self, *args, **kwargs)
+        return counted
+
+    for name in TO_HOST:
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+
+    def run(watched: bool) -> list[int]:
+        torch.manual_seed(0)
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        extra = {"optimizer": opt} if order == "optimizer=" else {}
+        seen = []
+        with contextlib.ExitStack() as stack:
+            dbg = stack.enter_context(graddebug.watch(model, scaler=scaler, every=2, **extra)
+                                      ) if watched else None
+            for step in range(4):
+                x, y = batch(step)
+                count[0] = 0
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                LOOPS[order if watched else "optimizer="](dbg, scaler, opt, loss)
+                seen.append(count[0])
+        return seen
+
+    plain, watched = run(False), run(True)
+    assert [w - p for w, p in zip(watched, plain, strict=True)] == [1, 0, 1, 0]
 
 
 # -- skipped steps ----------------------------------------------------------------------------
@@ -426,3 +468,4 @@ def test_the_scaler_is_given_back_on_exit_also_after_an_error() -> None:
     with graddebug.watch(model, scaler=scaler):
         assert scaler.update is not mine
     assert scaler.update is mine
+
