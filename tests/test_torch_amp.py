@@ -469,3 +469,55 @@ def test_the_scaler_is_given_back_on_exit_also_after_an_error() -> None:
         assert scaler.update is not mine
     assert scaler.update is mine
 
+
+# -- Lightning ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_lightning_follows_the_precision_plugins_scaler() -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from graddebug_torch.lightning import GradDebugCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self, blow_up_at: int = -1) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = net()
+            self.blow_up_at = blow_up_at
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.cross_entropy(self.net(x).float(), y)
+            return loss * 1e6 if batch_idx == self.blow_up_at else loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def fit(precision: Any, blow_up_at: int = -1) -> Any:
+        callback = GradDebugCallback()
+        xs, ys = zip(*(batch(step) for step in range(3)), strict=True)
+        loader = DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=48)
+        options = {"plugins": [precision]} if precision is not None else {}
+        pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False,
+                   enable_progress_bar=False, enable_checkpointing=False,
+                   enable_model_summary=False, callbacks=[callback], **options,
+                   ).fit(Module(blow_up_at), loader)
+        return callback
+
+    def amp() -> Any:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        return MixedPrecision("16-mixed", "cpu", scaler)
+
+    plain, mixed = fit(None), fit(amp())
+    for step in range(3):
+        got, expected = rows(mixed, step), rows(plain, step)
+        assert set(got) == set(expected)
+        for name in expected:  # float16 autocast against float32; the scale was 1024
+            np.testing.assert_allclose(got[name]["norm"], expected[name]["norm"], rtol=0.02,
+                                       err_msg=f"{step} {name}")
+    assert skipped(mixed.watcher) == {}
+    blown = fit(amp(), blow_up_at=1)
+    assert blown.watcher.step_index == 3
+    assert skipped(blown.watcher) == {1: "scale=1024.0"}

@@ -37,7 +37,7 @@ from graddebug.capture.layers import FailOpen, keep_label
 from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind, Kind, Record
 
-__all__ = ["LossScaling", "check_scaler"]
+__all__ = ["LossScaling", "check_scaler", "is_grad_scaler"]
 
 _PARAMETER = Kind.PARAMETER.value
 _SKIPPED = EventKind.SKIPPED_STEP.value
@@ -48,6 +48,11 @@ def _scaler_types() -> tuple[type, ...]:
     and, on older torch, ``torch.cuda.amp.GradScaler``."""
     found = [getattr(torch.amp, "GradScaler", None), getattr(torch.cuda.amp, "GradScaler", None)]
     return tuple(t for t in found if isinstance(t, type))
+
+
+def is_grad_scaler(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.amp.GradScaler`` (``ShardedGradScaler`` included)."""
+    return isinstance(value, _scaler_types())
 
 
 def check_scaler(scaler: Any) -> Any:
@@ -62,7 +67,7 @@ def check_scaler(scaler: Any) -> Any:
     """
     if scaler is None:
         return None
-    if not isinstance(scaler, _scaler_types()):
+    if not is_grad_scaler(scaler):
         raise ConfigError(
             f"scaler= got a {type(scaler).__name__}, not a torch.amp.GradScaler; pass "
             "the GradScaler whose scale(loss) the loop back-propagates, e.g. "
