@@ -94,15 +94,24 @@ class CallbackSession:
             raise WatcherStateError(f"a bound {self._where} needs an active Watcher.")
         self.watcher, self._owned = context, False
 
-    def start(self, model: Any) -> None:
-        """Training starts: enter a Watcher on ``model`` (unless bound to one)."""
+    def start(self, model: Any, *, scaler: Any = None) -> None:
+        """Training starts: enter a Watcher on ``model`` (unless bound to one).
+
+        Args:
+            model: The model the host trains.
+            scaler: The host's loss scaler (mixed precision), watched as ``watch(scaler=...)``
+                unless the callback's options name one.
+        """
         self.stop_reason = None
         if not self._owned:
             return
         self.finish()  # a previous run that raised may have left its Watcher open
         from graddebug.capture.watcher import Watcher
 
-        watcher = Watcher(model, **self._options)
+        options = self._options
+        if scaler is not None and options.get("scaler") is None:
+            options = {**options, "scaler": scaler}
+        watcher = Watcher(model, **options)
         watcher.__enter__()
         self.watcher = self._own = watcher
 

@@ -41,6 +41,7 @@ from graddebug_torch.params import (
     model_params,
     param_rows,
 )
+from graddebug_torch.scaler import LossScaling
 from graddebug_torch.staging import SMALL_NUMEL, SmallGrads
 from graddebug_torch.stats import (
     acc_dtype,
@@ -85,6 +86,7 @@ class TorchAdapter(BaseAdapter):
     """
 
     name = "torch"
+    _scaling: LossScaling  # the watch(scaler=...) GradScaler, set up in attach
 
     def __init__(
         self,
@@ -151,7 +153,14 @@ class TorchAdapter(BaseAdapter):
 
     def attach(self) -> None:
         """Register one forward hook per watched module and one post-accumulate hook per
-        watched parameter."""
+        watched parameter; follow the ``scaler=`` GradScaler.
+
+        Raises:
+            ConfigError: ``scaler=`` is not a ``torch.amp.GradScaler``.
+        """
+        self._scaling = LossScaling(
+            self._options.scaler, [(p.layer, p.tensor, p.param) for p in self._params],
+            self.has_pending, self.grads_changed_in_place, self._fail_open("GradScaler"))
         for name, spec in self._options.intervene.items():
             check_mask_device(spec, name)
         self._owners.claim(self._modules, type(self._root).__name__)
@@ -168,10 +177,12 @@ class TorchAdapter(BaseAdapter):
             if param.param.requires_grad:
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
                     functools.partial(self._on_param_grad, index)))
+        self._scaling.attach()
 
     def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None) -> None:
         """Call ``on_step`` after each ``optimizer.step()`` (a step post-hook, removed on
-        exit): the gradients are still on ``p.grad`` then.
+        exit): the gradients are still on ``p.grad`` then. Under ``scaler=``, a
+        ``scaler.step(optimizer)`` that skips ``optimizer.step()`` calls it too.
 
         Raises:
             ConfigError: ``optimizer`` is not a ``torch.optim.Optimizer`` or holds none of the
@@ -179,11 +190,15 @@ class TorchAdapter(BaseAdapter):
         """
         optimizer = check_optimizer(optimizer, self._params)
         if on_step is not None:
+            stepped = self._scaling.follow(optimizer, on_step)
             self._handles.append(optimizer.register_step_post_hook(
-                lambda opt, args, kwargs: on_step()))
+                lambda opt, args, kwargs: stepped()))
 
     def detach(self) -> None:
-        """Remove every module and tensor hook; restore ``model.training``."""
+        """Remove every module and tensor hook; restore ``model.training`` and the scaler."""
+        scaling = getattr(self, "_scaling", None)  # None when attach failed early
+        if scaling is not None:
+            scaling.detach()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -206,6 +221,8 @@ class TorchAdapter(BaseAdapter):
 
         ``GradScaler.unscale_`` divides them by the loss scale that way. The norms taken while
         the gradients accumulated are then stale, and the step measures them again on closing.
+        A GradScaler given as ``watch(scaler=...)`` says so itself; integrations that drive a
+        scaler of their own call this.
         """
         self._state.changed_in_place = True
 
@@ -417,9 +434,12 @@ class TorchAdapter(BaseAdapter):
             depths = {name: layer.depth for name, layer in self._layers.items()}
             rows = param_rows(self._params, state.received, grads, state.changed_in_place,
                               self._param_depth)
-            return gather(step, state, rows, depths,
-                          full=self._options.param_stats == "full", staging=self._staging)
+            scale = self._scaling.read()  # queued before the step's sync, read after it
+            return scale.unscale(step, gather(step, state, rows, depths,
+                                              full=self._options.param_stats == "full",
+                                              staging=self._staging))
         finally:
+            self._scaling.next_pass()
             self._drop_step()
 
     def _param_depth(self, param: TorchParam) -> int:

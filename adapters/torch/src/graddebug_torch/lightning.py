@@ -14,8 +14,10 @@ bound to that Watcher instead of one that makes its own.
 
 A graddebug step closes in ``on_before_optimizer_step``: the gradients are complete there (all
 micro-batches of ``accumulate_grad_batches`` included), already unscaled under AMP, and not yet
-clipped by ``gradient_clip_val``. Gradients at layer outputs are captured during ``backward``,
-so under a loss scaler they carry the scale.
+clipped by ``gradient_clip_val``. Under ``precision="16-mixed"`` the callback follows the
+precision plugin's GradScaler as ``watch(scaler=...)`` does: the statistics of gradients at
+layer outputs, captured during ``backward``, are divided by the loss scale, and a step the
+scaler skips is marked with a ``skipped_step`` event.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 from graddebug.integrations.session import CallbackSession, SessionResults
+from graddebug_torch.scaler import is_grad_scaler
 
 if TYPE_CHECKING:
 
@@ -77,8 +80,10 @@ class GradDebugCallback(SessionResults, pl.Callback):
     # -- Lightning hooks ----------------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start watching ``pl_module`` (unless bound to a Watcher already)."""
-        self._session.start(pl_module)
+        """Start watching ``pl_module`` (unless bound to a Watcher already), with the
+        precision plugin's GradScaler under AMP."""
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._session.start(pl_module, scaler=scaler if is_grad_scaler(scaler) else None)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
