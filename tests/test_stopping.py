@@ -35,6 +35,14 @@ def test_nonfinite_sees_nan_inf_and_forward_events():
     assert nonfinite(StepResult(records=healthy.records, events=[forward]))
 
 
+def test_a_step_the_loss_scaler_skipped_stops_only_on_a_forward_nan():
+    skipped = Event(0, "", "", -1, EventKind.SKIPPED_STEP.value, "scale=65536.0")
+    overflowed = [make_record(0, "a", 0, math.inf, inf=True)]
+    assert not nonfinite(StepResult(records=overflowed, events=[skipped]))
+    forward = Event(0, "log", "output", 1, EventKind.FORWARD_NONFINITE.value, "NaN")
+    assert nonfinite(StepResult(records=overflowed, events=[skipped, forward]))
+
+
 def test_stop_reason_quotes_the_finding_or_names_the_first_bad_gradient():
     result = StepResult(records=[make_record(3, "a", 0, 1.0, nan=True),
                                  make_record(3, "b", 1, 1.0, nan=True)])

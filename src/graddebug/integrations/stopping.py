@@ -47,10 +47,16 @@ def _bad(record: Record) -> bool:
 
 
 def nonfinite(result: StepResult) -> bool:
-    """Whether a closed step holds a NaN/Inf gradient or a non-finite forward output."""
-    return any(_bad(r) for r in result.records) or any(
-        e.event == EventKind.FORWARD_NONFINITE.value for e in result.events
-    )
+    """Whether a closed step holds a NaN/Inf gradient or a non-finite forward output.
+
+    A step a loss scaler skipped overflowed in backward by design and left the weights alone:
+    only a NaN/Inf in its forward pass counts then.
+    """
+    events = {e.event for e in result.events}
+    forward = EventKind.FORWARD_NONFINITE.value in events
+    if EventKind.SKIPPED_STEP.value in events:
+        return forward
+    return forward or any(_bad(r) for r in result.records)
 
 
 def stop_reason(findings: pd.DataFrame, step: int, result: StepResult) -> str:
