@@ -59,7 +59,7 @@ from graddebug_torch.step import (
     shape_text,
 )
 from graddebug_torch.valueflow import ValueFlows, needs_value_flow
-from graddebug_torch.wrappers import clean_name, unwrap
+from graddebug_torch.wrappers import class_name, clean_name, unwrap
 
 __all__ = ["TorchAdapter"]
 
@@ -130,7 +130,10 @@ class TorchAdapter(BaseAdapter):
             self._add_param_keys(params)
 
     def _name(self, qualified: str) -> str:
-        return clean_name(qualified) or type(self._root).__name__
+        name = clean_name(qualified)
+        if name or self._root is None:
+            return name
+        return class_name(self._root)
 
     def _select(self, named: dict[str, nn.Module], layers: Sequence[Any] | None
                 ) -> dict[str, nn.Module]:
@@ -142,7 +145,8 @@ class TorchAdapter(BaseAdapter):
                 for n, m in named.items()
                 if owns_params(m) or not any(True for _ in m.children())
             }
-        return select_layers(named, layers, noun="module", owner=type(self._root).__name__)
+        owner = class_name(self._root) if self._root is not None else ""
+        return select_layers(named, layers, noun="module", owner=owner)
 
     def _model_layer_names(self) -> list[str]:
         if self._root is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["WRAPPER_PREFIXES", "clean_name", "unwrap"]
+__all__ = ["WRAPPER_PREFIXES", "class_name", "clean_name", "unwrap"]
 
 WRAPPER_PREFIXES: tuple[str, ...] = (
     "_fsdp_wrapped_module.",
@@ -21,12 +21,20 @@ WRAPPER_PREFIXES: tuple[str, ...] = (
 _WRAPPED_NAMES = tuple(prefix[:-1] for prefix in WRAPPER_PREFIXES)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside outer wrappers: ``DistributedDataParallel`` and ``DataParallel``
-    (``.module``) and ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), however nested.
+_CLASS_WRAPPERS = frozenset({"FSDPModule", "ReplicateModule", "DDP"})
+"""Classes that ``fully_shard`` and the composable ``replicate`` mix into a module's class in
+place: they make ``FSDP<Name>`` (or ``Replicate<Name>``, ``DDP<Name>``) from ``(wrapper,
+<Name>)``."""
 
-    FSDP2's ``fully_shard`` wraps nothing (it changes the module's class in place), and FSDP1's
-    inner name parts are removed by :func:`clean_name`.
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside outer wrappers: ``DistributedDataParallel``, ``DataParallel`` and
+    FSDP1's ``FullyShardedDataParallel`` (``.module``) and ``torch.compile``'s
+    ``OptimizedModule`` (``._orig_mod``), however nested.
+
+    FSDP2's ``fully_shard`` wraps nothing (it changes the module's class in place, see
+    :func:`class_name`), and the name parts of FSDP1 wrappers inside the model are removed by
+    :func:`clean_name`.
     """
     seen: set[int] = set()
     while id(model) not in seen:
@@ -40,13 +48,23 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def _inner(model: nn.Module) -> nn.Module | None:
     kind = type(model).__name__
-    if kind in ("DistributedDataParallel", "DataParallel"):
+    if kind in ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"):
         inner = getattr(model, "module", None)
     elif kind == "OptimizedModule":
         inner = getattr(model, "_orig_mod", None)
     else:
         return None
     return inner if isinstance(inner, nn.Module) else None
+
+
+def class_name(module: nn.Module) -> str:
+    """The name of ``module``'s own class, under the class that ``fully_shard`` or
+    ``replicate`` swapped in (``FSDPSequential`` is a ``Sequential``)."""
+    cls = type(module)
+    while (len(cls.__bases__) == 2 and cls.__bases__[0].__name__ in _CLASS_WRAPPERS
+           and cls.__name__.endswith(cls.__bases__[1].__name__)):
+        cls = cls.__bases__[1]
+    return cls.__name__
 
 
 def clean_name(qualified: str) -> str:
