@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContext, WatchOptions
 from graddebug.capture.layers import (
     Intervention,
     LayerSpec,
@@ -445,6 +445,14 @@ class TorchAdapter(BaseAdapter):
         finally:
             self._scaling.next_pass()
             self._drop_step()
+
+    def distribution(self) -> Distribution:
+        """This process's rank, the world size and the backend of ``torch.distributed``'s
+        default process group; one process when it is not available or not initialized."""
+        dist = torch.distributed
+        if not dist.is_available() or not dist.is_initialized():
+            return Distribution()
+        return Distribution(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
 
     def _param_depth(self, param: TorchParam) -> int:
         if param.depth >= 0:
