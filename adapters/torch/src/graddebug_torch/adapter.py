@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from graddebug_torch.params import (
     param_rows,
 )
 from graddebug_torch.scaler import LossScaling
+from graddebug_torch.sharded import is_sharded, reduce_sharded
 from graddebug_torch.staging import SMALL_NUMEL, SmallGrads
 from graddebug_torch.stats import (
     acc_dtype,
@@ -75,6 +77,15 @@ def _finiteness(tensor: Tensor) -> Tensor:
     if tensor.requires_grad or data.numel() == 0:
         return data.sum(dtype=acc_dtype(tensor))
     return torch.maximum(data.amax(), data.amin().neg()).to(acc_dtype(tensor))
+
+
+def _grad_mark(grad: Tensor | None) -> tuple[int, int] | None:
+    """Which gradient a tensor's ``.grad`` holds, and how often it changed in place."""
+    if grad is None:
+        return None
+    # FSDP2 accumulates into the slice, unseen by the DTensor's own version counter.
+    local: Tensor = grad.to_local() if is_sharded(grad) else grad  # type: ignore[attr-defined]
+    return id(grad), local._version
 
 
 class TorchAdapter(BaseAdapter):
@@ -112,7 +123,11 @@ class TorchAdapter(BaseAdapter):
         self._grad_hooks: dict[tuple[str, str], Callable[[Tensor], Tensor | None]] = {}
         self._was_training: bool | None = None
         self._flows = ValueFlows()
+        # Per sharded parameter (by index), its gradient's identity and version when the last
+        # step closed: FSDP2 may set .grad without running the post-accumulate hooks.
+        self._sharded_marks: dict[int, tuple[int, int] | None] = {}
         self._resolve(params)
+        self._sharded = [i for i, p in enumerate(self._params) if p.sharded]
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -218,7 +233,12 @@ class TorchAdapter(BaseAdapter):
         state = self._state
         if state.touched or state.captures or state.expected or state.transformed:
             return True
-        return self._ctx.step_index == 0 and any(p.param.grad is not None for p in self._params)
+        if self._ctx.step_index == 0:
+            return any(p.param.grad is not None for p in self._params)
+        params = self._params
+        return any(params[i].param.grad is not None
+                   and _grad_mark(params[i].param.grad) != self._sharded_marks.get(i)
+                   for i in self._sharded)
 
     def grads_changed_in_place(self) -> None:
         """Say that parameter gradients changed in place unseen by autograd's version counter.
@@ -305,9 +325,11 @@ class TorchAdapter(BaseAdapter):
         state.touched = True
         if not self._ctx.recording or grad is None:
             return
-        if grad.numel() <= SMALL_NUMEL:
+        if grad.numel() <= SMALL_NUMEL or self._params[index].sharded:
             # Small gradients are left to the batched pass at the step's close (one kernel a
-            # shape); a kernel each here would cost more than the data.
+            # shape); a kernel each here would cost more than the data. A sharded gradient is
+            # measured at the close too, over the ranks (FSDP2 on a GPU writes it on another
+            # stream while this hook runs).
             state.received[index] = ParamGrad(grad, None, grad._version)
             return
         with self._fail_open(self._params[index].layer):
@@ -430,21 +452,41 @@ class TorchAdapter(BaseAdapter):
         self._staging.clear()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
-        """Turn the step's captures into records with one host transfer, then reset."""
+        """Turn the step's captures into records with one host transfer, then reset.
+
+        Sharded parameters (FSDP2) add one collective over every rank, before anything else
+        that could fail on one rank only. A bug in here becomes an ``internal_error`` finding
+        and an empty step; a wrong ``grads`` list (the user's mistake) raises.
+        """
         try:
             if not record:
                 return StepResult()
             state = self._state
-            depths = {name: layer.depth for name, layer in self._layers.items()}
             rows = param_rows(self._params, state.received, grads, state.changed_in_place,
                               self._param_depth)
-            scale = self._scaling.read()  # queued before the step's sync, read after it
-            return scale.unscale(step, gather(step, state, rows, depths,
-                                              full=self._options.param_stats == "full",
-                                              staging=self._staging))
+            full = self._options.param_stats == "full"
+            with self._fail_open("step"):
+                # While an exception unwinds (the with block closing the step of a crashed
+                # rank) the other ranks may never reach the collective: sharded rows are left
+                # out rather than wait for them.
+                unwinding = sys.exc_info()[0] is not None
+                sharded = None if unwinding else reduce_sharded(
+                    [r.grad for r in rows if r.sharded], full, self._ctx.internal_error)
+                depths = {name: layer.depth for name, layer in self._layers.items()}
+                scale = self._scaling.read()  # queued before the step's sync, read after it
+                return scale.unscale(step, gather(
+                    step, state, rows, depths, full=full, staging=self._staging,
+                    sharded=sharded, on_bug=self._ctx.internal_error))
+            return StepResult(events=list(state.events))
         finally:
             self._scaling.next_pass()
+            self._mark_sharded()
             self._drop_step()
+
+    def _mark_sharded(self) -> None:
+        """Remember the sharded gradients this step closed on (see :meth:`has_pending`)."""
+        for i in self._sharded:
+            self._sharded_marks[i] = _grad_mark(self._params[i].param.grad)
 
     def distribution(self) -> Distribution:
         """This process's rank, the world size and the backend of ``torch.distributed``'s

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from graddebug.errors import ConfigError, GradientCountError
+from graddebug_torch.sharded import is_sharded
 from graddebug_torch.step import ParamGrad, ParamRow
 from graddebug_torch.wrappers import clean_name
 
@@ -28,6 +29,8 @@ class TorchParam:
         owner_chain: The owner module's qualified name, then those of its ancestors.
         keep: Its full gradient is kept (``keep=`` names its layer).
         depth: Its depth, once its owner module ran forward (-1 until then).
+        sharded: It is a ``DTensor`` (FSDP2's ``fully_shard``): each rank holds a slice, and
+            its gradient is measured whole, over the ranks.
     """
 
     layer: str
@@ -36,6 +39,7 @@ class TorchParam:
     owner_chain: tuple[str, ...]
     keep: bool = False
     depth: int = -1
+    sharded: bool = False
 
 
 def ancestors(qualified: str) -> Iterator[str]:
@@ -63,7 +67,8 @@ def model_params(model: nn.Module, name_of: Callable[[str], str],
         if chosen is not None and not any(name in chosen for name in chain):
             continue
         layer = name_of(owner)
-        out.append(TorchParam(layer, short, param, chain, keep=layer in keep))
+        out.append(TorchParam(layer, short, param, chain, keep=layer in keep,
+                              sharded=is_sharded(param)))
     return out
 
 
@@ -84,7 +89,8 @@ def given_params(params: Mapping[str, Any], keep: Collection[str]) -> list[Torch
                 f"params[{key!r}] must be a leaf tensor with requires_grad=True, so that "
                 f"its .grad is filled; for an intermediate tensor use tap(t, {key!r})."
             )
-        out.append(TorchParam(key, key, value, (key,), keep=key in keep))
+        out.append(TorchParam(key, key, value, (key,), keep=key in keep,
+                              sharded=is_sharded(value)))
     return out
 
 
@@ -161,7 +167,7 @@ def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad],
             )
         for position, ((_, p), g) in enumerate(zip(live, grads, strict=True)):
             _check_given(position, p, g)
-        return [ParamRow(p.layer, p.tensor, depth_of(p), g, None, p.keep)
+        return [ParamRow(p.layer, p.tensor, depth_of(p), g, None, p.keep, p.sharded)
                 for (_, p), g in zip(live, grads, strict=True)]
     rows = []
     for i, p in live:
@@ -172,5 +178,6 @@ def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad],
         fresh = (not stale and seen is not None and seen.grad is grad
                  and grad._version == seen.version)
         rows.append(ParamRow(p.layer, p.tensor, depth_of(p), grad,
-                             seen.sq if fresh and seen is not None else None, p.keep))
+                             seen.sq if fresh and seen is not None else None, p.keep,
+                             p.sharded))
     return rows

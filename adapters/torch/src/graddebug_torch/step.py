@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import keep_label
 from graddebug.records import Event, EventKind, Kind, Record
+from graddebug_torch.sharded import GlobalStats, OnBug, nonfinite_flags, row_values, whole
 from graddebug_torch.staging import SMALL_NUMEL, GroupStats, SmallGrads, StagedGroup
 from graddebug_torch.stats import acc_dtype, unit_summary
 
@@ -75,7 +76,8 @@ class ParamGrad:
 
 @dataclass(slots=True)
 class ParamRow:
-    """A watched parameter at the close of a step."""
+    """A watched parameter at the close of a step (``sharded``: its gradient is a ``DTensor``,
+    measured whole by :mod:`graddebug_torch.sharded`)."""
 
     layer: str
     tensor: str
@@ -83,6 +85,7 @@ class ParamRow:
     grad: Tensor | None
     sq: Tensor | None
     keep: bool
+    sharded: bool = False
 
 
 @dataclass
@@ -131,7 +134,8 @@ class _HostBatch:
 
 
 def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: dict[str, int],
-           full: bool, staging: SmallGrads | None = None) -> StepResult:
+           full: bool, staging: SmallGrads | None = None, sharded: GlobalStats | None = None,
+           on_bug: OnBug | None = None) -> StepResult:
     """Turn one step's captures and parameter gradients into records and events.
 
     Args:
@@ -141,6 +145,10 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
         depths: Forward-order depth of each layer and tap name.
         full: Also compute mean and absmax of parameter gradients.
         staging: Where the hooks staged small gradients (reduced here, in one pass a shape).
+        sharded: The whole-gradient statistics of the ``sharded`` rows of ``params``, in
+            their order (:func:`graddebug_torch.sharded.reduce_sharded`); None leaves those
+            rows out.
+        on_bug: Where a failure to look at a sharded gradient's slice goes.
 
     Returns:
         The step's records, events and kept arrays.
@@ -193,13 +201,17 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
             pooled[key] = batch.add(torch.count_nonzero(per_unit))
 
     # Parameters: sums of squares taken in the backward hook, and one fused pass for the rest.
-    late = [p for p in present if p.sq is None]
-    early_slot = batch.add(_stack([p.sq for p in present if p.sq is not None])) \
-        if len(late) < len(present) else slice(0, 0)
+    # Sharded ones were combined over the ranks already.
+    where_sharded = {id(p): i for i, p in enumerate(p for p in params if p.sharded)}
+    local = [p for p in present if not p.sharded]
+    late = [p for p in local if p.sq is None]
+    early_slot = batch.add(_stack([p.sq for p in local if p.sq is not None])) \
+        if len(late) < len(local) else slice(0, 0)
     late_grads = [_dense(p.grad) for p in late if p.grad is not None]
     late_parts = [(order, batch.add(norms)) for order, norms in _norms(late_grads)]
-    full_slots = [batch.add(_full_stats(_dense(p.grad))) for p in present
-                  if p.grad is not None] if full else []
+    full_slots = {id(p): batch.add(_full_stats(_dense(p.grad))) for p in local
+                  if p.grad is not None} if full else {}
+    sharded_slot = batch.add(sharded.values) if sharded is not None else slice(0, 0)
     forward_slot = (batch.add(torch.stack([s for _, _, s in state.forward_sums]))
                     if state.forward_sums else slice(0, 0))
 
@@ -218,11 +230,28 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
         for i, value in zip(order, batch[slot], strict=True):
             late_values[i] = value
     late_norms = iter(late_values)
-    for i, p in enumerate(present):
+    whole_values = batch[sharded_slot]
+    broken: list[tuple[ParamRow, Tensor, float, list[float] | None]] = []
+    for p in present:
         assert p.grad is not None
+        if p.sharded:
+            found = (row_values(whole_values, where_sharded[id(p)], full)
+                     if sharded is not None else None)
+            if found is None:  # not combined, or a rank failed to measure its slice
+                continue
+            norm, extra = found
+            if not math.isfinite(norm):
+                broken.append((p, p.grad, norm, extra))
+                continue
+            result.records.append(_param_record(step, p, p.grad, norm, extra, (False, False)))
+            continue
         norm = math.sqrt(next(early)) if p.sq is not None else next(late_norms)
-        extra = batch[full_slots[i]] if full else None
+        extra = batch[full_slots[id(p)]] if full else None
         result.records.append(_param_record(step, p, _dense(p.grad), norm, extra))
+    if broken:  # every rank sees the same combined norms, so all of them come here together
+        flags = nonfinite_flags([g for _, g, _, _ in broken], on_bug or _ignore)
+        for (p, grad, norm, extra), pair in zip(broken, flags, strict=True):
+            result.records.append(_param_record(step, p, grad, norm, extra, pair))
 
     for (key, depth, _), value in zip(state.forward_sums, batch[forward_slot], strict=True):
         if not math.isfinite(value):
@@ -236,8 +265,8 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
         if p.grad is None:
             result.events.append(Event(step, p.layer, p.tensor, p.depth,
                                        EventKind.NO_GRAD.value))
-        elif p.keep:
-            result.kept[keep_label(p.layer, p.tensor)] = kept_array(p.grad)
+        elif p.keep and (sharded is not None or not p.sharded):
+            result.kept[keep_label(p.layer, p.tensor)] = kept_array(whole(p.grad))
     return result
 
 
@@ -335,9 +364,11 @@ def _activation_record(step: int, key: Key, depth: int, calls: list[Capture],
 
 
 def _param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
-                  extra: list[float] | None) -> Record:
-    nan = inf = False
-    if not math.isfinite(norm):
+                  extra: list[float] | None, flags: tuple[bool, bool] | None = None) -> Record:
+    """A parameter's row. ``grad`` gives the shape and size (a sharded gradient's are those
+    of the whole parameter); ``flags`` are its ``(nan, inf)`` where the caller knows them."""
+    nan, inf = flags if flags is not None else (False, False)
+    if flags is None and not math.isfinite(norm):
         # Rare: a second sync, only for a gradient already known to be broken.
         nan = bool(torch.isnan(grad).any())
         inf = bool(torch.isinf(grad).any())
@@ -382,6 +413,10 @@ def _norms(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
     if large:
         parts.append((large, _stack(torch._foreach_norm([grads[i] for i in large]))))
     return parts
+
+
+def _ignore(exc: BaseException, where: str) -> None:
+    """Drop a failure nobody asked to hear of."""
 
 
 def _dense(grad: Tensor) -> Tensor:

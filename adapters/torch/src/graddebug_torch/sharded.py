@@ -1,0 +1,252 @@
+"""Sharded parameter gradients (``DTensor``, as FSDP2's ``fully_shard`` leaves them), measured
+whole.
+
+Each rank holds a slice of such a gradient. The statistics of the whole gradient follow from
+per-slice sums: the sum of squares and the sum add up over the slices, and ``absmax`` is the
+largest of the slices' ones. Every rank computes its slices' sums on the device, stacks them
+for all sharded parameters, and one collective per recorded step combines the stacks:
+
+- ``param_stats="norm"``: one ``all_reduce(SUM)`` of ``[sum of squares, failures]`` per
+  parameter;
+- ``param_stats="full"``: one ``all_gather_into_tensor`` of ``[sum of squares, sum, absmax,
+  failures]`` per parameter, reduced on each rank (sums added, ``absmax`` the largest), since
+  one ``all_reduce`` cannot both add and take a maximum. The gathered tensor holds
+  ``world_size x 4`` floats per parameter; ``"full"`` is opt-in.
+
+Where no parameter is sharded (DDP, one process) there is no collective at all. A slice that is
+a copy of another rank's (a ``Replicate`` placement, as in HSDP) is counted once, from the rank
+whose coordinate on the replicated mesh dimensions is 0. A gradient whose placements are
+``Partial`` (not reduced yet) is reduced first, one collective for each such gradient; FSDP2 and
+DDP never leave one.
+
+Every rank of the process group must reach the collective exactly once per recorded step, or
+the ranks would wait on each other forever (or pair the collective with the next step's). So a
+failure while computing a rank's own sums is counted in the ``failures`` column instead of
+raised: the collective still runs, and every rank then drops that parameter's row.
+
+``torch.distributed.tensor`` is looked up in ``sys.modules``: a process that created no
+``DTensor`` has not imported it, and pays nothing here.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from graddebug_torch.stats import acc_dtype, square_sum, whole_absmax
+
+__all__ = ["GlobalStats", "is_sharded", "nonfinite_flags", "reduce_sharded", "row_values",
+           "whole"]
+
+_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # torch >= 2.4; older
+
+OnBug = Callable[[BaseException, str], None]
+
+
+def _dtensor_type() -> type | None:
+    for name in _MODULES:
+        cls = getattr(sys.modules.get(name), "DTensor", None)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``DTensor``: a slice of a tensor spread over ranks."""
+    cls = _dtensor_type()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def whole(tensor: Tensor) -> Tensor:
+    """The whole tensor behind a ``DTensor`` on every rank (one collective); others as given.
+
+    For ``keep=`` of a sharded parameter, which asks for its full gradient.
+    """
+    if is_sharded(tensor):
+        full: Tensor = tensor.full_tensor()  # type: ignore[attr-defined]
+        return full
+    return tensor
+
+
+@dataclass(frozen=True)
+class GlobalStats:
+    """The statistics of whole sharded gradients, as the collective combined them.
+
+    Attributes:
+        values: ``[parameters, columns]`` on the collective's device: the sum of squares, then
+            with ``full`` the sum and ``absmax``, then the number of ranks that failed to
+            measure their slice.
+        full: Whether the sum and ``absmax`` columns are there.
+    """
+
+    values: Tensor
+    full: bool
+
+    @property
+    def width(self) -> int:
+        """Number of columns per parameter."""
+        return 4 if self.full else 2
+
+
+def _collective_device(grad: Any) -> torch.device:
+    """Where the collective's tensor lives: the device type of the gradient's mesh (a CPU
+    offloaded gradient of a CUDA mesh goes to the current CUDA device)."""
+    kind = str(grad.device_mesh.device_type)
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind)
+    return torch.device(kind, module.current_device())
+
+
+def _weight(grad: Any, world_size: int) -> float:
+    """How much this rank's slice counts in the sums: 0 for a copy of another rank's slice
+    (a replicated mesh dimension where this rank's coordinate is not 0), and ``mesh size /
+    world size`` for a mesh that spans part of the world, whose slices the other parts hold
+    again."""
+    mesh = grad.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the mesh
+        return 0.0
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_replicate() and coordinate[dim] != 0:
+            return 0.0
+    size = mesh.size()
+    return 1.0 if size >= world_size else size / world_size
+
+
+def _reduced(grad: Any) -> Any:
+    """``grad`` with ``Partial`` placements reduced (replicated), so that its local slice holds
+    final values."""
+    if not any(p.is_partial() for p in grad.placements):
+        return grad
+    from torch.distributed.tensor import Replicate
+
+    placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+    return grad.redistribute(grad.device_mesh, placements)
+
+
+def _local_sums(grad: Any, full: bool, world_size: int, device: torch.device) -> Tensor:
+    """This rank's contribution to one parameter's row, as float64 on ``device``."""
+    grad = _reduced(grad)
+    local = grad.to_local()
+    if local.is_sparse:
+        local = local.coalesce().values()
+    weight = _weight(grad, world_size)
+    if weight == 0.0 or local.numel() == 0:
+        return torch.zeros(4 if full else 2, dtype=torch.float64, device=device)
+    parts = [square_sum(local)]
+    if full:
+        parts += [local.sum(dtype=acc_dtype(local)), whole_absmax(local)]
+    row = torch.stack([p.to(torch.float64) for p in parts]).to(device)
+    if weight != 1.0:
+        scale = torch.tensor([weight, weight, 1.0][:len(parts)], dtype=torch.float64,
+                             device=device)
+        row = row * scale
+    return torch.cat([row, row.new_zeros(1)])
+
+
+def reduce_sharded(grads: Sequence[Tensor | None], full: bool, on_bug: OnBug
+                   ) -> GlobalStats | None:
+    """Combine the slices' statistics of sharded gradients over every rank: one collective.
+
+    Every rank must call it with the same number of gradients, in the same order (the watched
+    sharded parameters, in ``named_parameters()`` order), each recorded step.
+
+    Args:
+        grads: The gradient of each sharded parameter on this rank (a ``DTensor``), None where
+            it has none.
+        full: Also combine the sum and ``absmax``.
+        on_bug: Where a failure to measure this rank's slices goes (the fail-open rule); the
+            collective runs anyway.
+
+    Returns:
+        The whole gradients' statistics, or None when ``grads`` is empty.
+    """
+    if not grads:
+        return None
+    import torch.distributed as dist
+
+    width = 4 if full else 2
+    world_size = dist.get_world_size()
+    present = [g for g in grads if g is not None]
+    device = _collective_device(present[0]) if present else torch.device("cpu")
+    rows = []
+    failures: list[BaseException] = []
+    for grad in grads:
+        row = None
+        if grad is not None:
+            try:
+                row = _local_sums(grad, full, world_size, device)
+            except Exception as exc:  # counted, not raised: the collective must still run
+                failures.append(exc)
+        if row is None:
+            row = torch.zeros(width, dtype=torch.float64, device=device)
+            if grad is not None:
+                row[-1] = 1.0
+        rows.append(row)
+    local = torch.stack(rows)
+    if full:
+        # all_gather_single is all_gather_into_tensor's new name (torch 2.13).
+        gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gathered = torch.empty((world_size * len(rows), width), dtype=local.dtype,
+                               device=device)
+        gather_into(gathered, local)
+        gathered = gathered.view(world_size, len(rows), width)
+        sums = gathered[..., :2].sum(0)
+        # amax propagates NaN, as a NaN absmax must.
+        local = torch.cat([sums, gathered[..., 2:3].amax(0), gathered[..., 3:].sum(0)], dim=1)
+    else:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+    for failure in failures:  # reported once every rank is past the collective (strict raises)
+        on_bug(failure, "sharded gradient")
+    return GlobalStats(local, full)
+
+
+def nonfinite_flags(grads: Sequence[Tensor | None], on_bug: OnBug) -> list[tuple[bool, bool]]:
+    """Whether each whole gradient holds a NaN, and an Inf: one ``all_reduce(MAX)``.
+
+    Called only for gradients whose combined norm came out non-finite, which every rank sees
+    alike, so every rank calls it the same way. A rank that fails to look at its slice says
+    neither.
+
+    Returns:
+        ``(nan, inf)`` per gradient, in order.
+    """
+    import torch.distributed as dist
+
+    present = [g for g in grads if g is not None]
+    device = _collective_device(present[0]) if present else torch.device("cpu")
+    flags = torch.zeros((len(grads), 2), dtype=torch.float32, device=device)
+    failures: list[BaseException] = []
+    for i, grad in enumerate(grads):
+        if grad is None:
+            continue
+        try:
+            local = _reduced(grad).to_local()
+            flags[i, 0] = torch.isnan(local).any().to(device)
+            flags[i, 1] = torch.isinf(local).any().to(device)
+        except Exception as exc:  # the collective must still run
+            failures.append(exc)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    for failure in failures:
+        on_bug(failure, "sharded gradient")
+    return [(bool(nan), bool(inf)) for nan, inf in flags.tolist()]
+
+
+def row_values(values: Sequence[float], index: int, full: bool
+               ) -> tuple[float, list[float] | None] | None:
+    """One parameter's combined ``(norm, [sum, absmax] or None)`` from the fetched values of
+    :class:`GlobalStats`; None when some rank failed to measure its slice."""
+    width = 4 if full else 2
+    row = values[index * width:(index + 1) * width]
+    if row[-1] > 0:
+        return None
+    sq = row[0]
+    norm = math.sqrt(sq) if sq >= 0 or math.isnan(sq) else math.nan
+    return norm, ([row[1], row[2]] if full else None)
