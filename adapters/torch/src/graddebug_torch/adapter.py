@@ -128,6 +128,9 @@ class TorchAdapter(BaseAdapter):
         self._sharded_marks: dict[int, tuple[int, int] | None] = {}
         self._resolve(params)
         self._sharded = [i for i, p in enumerate(self._params) if p.sharded]
+        # With several ranks (DDP) the gradient a post-accumulate hook sees is this rank's
+        # own, which the all-reduce then replaces: it is measured when the step closes.
+        self._late = self.distribution().world_size > 1
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -325,11 +328,11 @@ class TorchAdapter(BaseAdapter):
         state.touched = True
         if not self._ctx.recording or grad is None:
             return
-        if grad.numel() <= SMALL_NUMEL or self._params[index].sharded:
+        if grad.numel() <= SMALL_NUMEL or self._late or self._params[index].sharded:
             # Small gradients are left to the batched pass at the step's close (one kernel a
-            # shape); a kernel each here would cost more than the data. A sharded gradient is
-            # measured at the close too, over the ranks (FSDP2 on a GPU writes it on another
-            # stream while this hook runs).
+            # shape); a kernel each here would cost more than the data. So are those of a
+            # multi-rank run, still to be all-reduced or measured over the ranks (FSDP2 on a
+            # GPU writes a sharded gradient on another stream while this hook runs).
             state.received[index] = ParamGrad(grad, None, grad._version)
             return
         with self._fail_open(self._params[index].layer):
