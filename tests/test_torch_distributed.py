@@ -663,6 +663,24 @@ def test_sharded_gradients_set_without_hooks_are_recorded_every_step(group: None
     assert norms == pytest.approx([float(g.norm()) for g in grads])
 
 
+def test_sharded_nonfinite_gradients_are_flagged(group: None) -> None:
+    from torch.distributed.tensor import Shard
+
+    weight, mesh, distribute = _dtensor_param(torch.zeros(4, 3))
+    inf, nan = torch.ones(4, 3), torch.ones(4, 3)
+    inf[1, 2] = math.inf
+    nan[0, 0], nan[3, 1] = math.nan, -math.inf
+    with graddebug.watch(params={"W": weight}, param_stats="full") as dbg:
+        for grad in (inf, nan):
+            weight.grad = distribute(grad, mesh, [Shard(0)])
+            dbg.step()
+    rows = param_rows(dbg.frame())
+    assert list(rows["nan"]) == [False, True]
+    assert list(rows["inf"]) == [True, False]  # NaN wins where both are there
+    assert rows["norm"].iloc[0] == math.inf and math.isnan(rows["absmax"].iloc[1])
+    assert set(dbg.findings()["issue"]) == {"nonfinite"}
+
+
 def test_sharded_failures_fail_open_and_strict_raises(group: None,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import graddebug_torch.sharded as sharded
@@ -672,7 +690,7 @@ def test_sharded_failures_fail_open_and_strict_raises(group: None,
 
     model = _fully_shard(net(), _dtensor_param(torch.zeros(1))[1])
     x, y = global_batch(0)
-    monkeypatch.setattr(sharded, "_local_sums", broken)
+    monkeypatch.setattr(sharded, "_local_slice", broken)
     warns = pytest.warns(graddebug.GradDebugWarning, match="boom")
     with warns, graddebug.watch(model) as dbg:
         loss_fn(model(x), y).backward()

@@ -131,24 +131,22 @@ def _reduced(grad: Any) -> Any:
     return grad.redistribute(grad.device_mesh, placements)
 
 
-def _local_sums(grad: Any, full: bool, world_size: int, device: torch.device) -> Tensor:
-    """This rank's contribution to one parameter's row, as float64 on ``device``."""
+def _local_slice(grad: Any, world_size: int) -> tuple[Tensor, float]:
+    """This rank's slice of a sharded gradient (dense values) and its weight in the sums."""
     grad = _reduced(grad)
-    local = grad.to_local()
+    local: Tensor = grad.to_local()
     if local.is_sparse:
         local = local.coalesce().values()
-    weight = _weight(grad, world_size)
-    if weight == 0.0 or local.numel() == 0:
-        return torch.zeros(4 if full else 2, dtype=torch.float64, device=device)
-    parts = [square_sum(local)]
-    if full:
-        parts += [local.sum(dtype=acc_dtype(local)), whole_absmax(local)]
-    row = torch.stack([p.to(torch.float64) for p in parts]).to(device)
-    if weight != 1.0:
-        scale = torch.tensor([weight, weight, 1.0][:len(parts)], dtype=torch.float64,
-                             device=device)
-        row = row * scale
-    return torch.cat([row, row.new_zeros(1)])
+    return local, _weight(grad, world_size)
+
+
+def _column(scalars: Sequence[Tensor], device: torch.device) -> Tensor:
+    """0-d tensors as one float64 column on ``device``, with one conversion where they share
+    a dtype and a device (the usual case)."""
+    first = scalars[0]
+    if all(t.dtype == first.dtype and t.device == first.device for t in scalars):
+        return torch.stack(list(scalars)).to(device=device, dtype=torch.float64)
+    return torch.stack([t.to(device=device, dtype=torch.float64) for t in scalars])
 
 
 def reduce_sharded(grads: Sequence[Tensor | None], full: bool, on_bug: OnBug
@@ -156,7 +154,9 @@ def reduce_sharded(grads: Sequence[Tensor | None], full: bool, on_bug: OnBug
     """Combine the slices' statistics of sharded gradients over every rank: one collective.
 
     Every rank must call it with the same number of gradients, in the same order (the watched
-    sharded parameters, in ``named_parameters()`` order), each recorded step.
+    sharded parameters, in ``named_parameters()`` order), each recorded step. A slice costs
+    one reduction (two more with ``full``); the rows are assembled with a few kernels for all
+    of them.
 
     Args:
         grads: The gradient of each sharded parameter on this rank (a ``DTensor``), None where
@@ -176,36 +176,53 @@ def reduce_sharded(grads: Sequence[Tensor | None], full: bool, on_bug: OnBug
     world_size = dist.get_world_size()
     present = [g for g in grads if g is not None]
     device = _collective_device(present[0]) if present else torch.device("cpu")
-    rows = []
+    measured: list[int] = []
+    weights: list[float] = []
+    sums: list[list[Tensor]] = [[] for _ in range(width - 1)]
+    failed: list[int] = []
     failures: list[BaseException] = []
-    for grad in grads:
-        row = None
-        if grad is not None:
-            try:
-                row = _local_sums(grad, full, world_size, device)
-            except Exception as exc:  # counted, not raised: the collective must still run
-                failures.append(exc)
-        if row is None:
-            row = torch.zeros(width, dtype=torch.float64, device=device)
-            if grad is not None:
-                row[-1] = 1.0
-        rows.append(row)
-    local = torch.stack(rows)
+    for i, grad in enumerate(grads):
+        if grad is None:
+            continue
+        try:
+            local, weight = _local_slice(grad, world_size)
+            if weight == 0.0 or local.numel() == 0:
+                continue  # a copy of another rank's slice, or an empty one: adds nothing
+            parts = [square_sum(local)]
+            if full:
+                parts += [local.sum(dtype=acc_dtype(local)), whole_absmax(local)]
+        except Exception as exc:  # counted, not raised: the collective must still run
+            failures.append(exc)
+            failed.append(i)
+            continue
+        measured.append(i)
+        weights.append(weight)
+        for column, part in zip(sums, parts, strict=True):
+            column.append(part)
+    local_rows = torch.zeros((len(grads), width), dtype=torch.float64, device=device)
+    if measured:
+        rows = torch.stack([_column(column, device) for column in sums], dim=1)
+        if any(w != 1.0 for w in weights):  # the sums of squares and the sums, not absmax
+            scale = torch.tensor(weights, dtype=torch.float64, device=device)[:, None]
+            rows[:, :2] = rows[:, :2] * scale
+        local_rows[measured, :width - 1] = rows
+    if failed:
+        local_rows[failed, width - 1] = 1.0
     if full:
         # all_gather_single is all_gather_into_tensor's new name (torch 2.13).
         gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gathered = torch.empty((world_size * len(rows), width), dtype=local.dtype,
+        gathered = torch.empty((world_size * len(grads), width), dtype=torch.float64,
                                device=device)
-        gather_into(gathered, local)
-        gathered = gathered.view(world_size, len(rows), width)
-        sums = gathered[..., :2].sum(0)
+        gather_into(gathered, local_rows)
+        gathered = gathered.view(world_size, len(grads), width)
         # amax propagates NaN, as a NaN absmax must.
-        local = torch.cat([sums, gathered[..., 2:3].amax(0), gathered[..., 3:].sum(0)], dim=1)
+        local_rows = torch.cat([gathered[..., :2].sum(0), gathered[..., 2:3].amax(0),
+                                gathered[..., 3:].sum(0)], dim=1)
     else:
-        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        dist.all_reduce(local_rows, op=dist.ReduceOp.SUM)
     for failure in failures:  # reported once every rank is past the collective (strict raises)
         on_bug(failure, "sharded gradient")
-    return GlobalStats(local, full)
+    return GlobalStats(local_rows, full)
 
 
 def nonfinite_flags(grads: Sequence[Tensor | None], on_bug: OnBug) -> list[tuple[bool, bool]]:
@@ -228,7 +245,7 @@ def nonfinite_flags(grads: Sequence[Tensor | None], on_bug: OnBug) -> list[tuple
         if grad is None:
             continue
         try:
-            local = _reduced(grad).to_local()
+            local, _ = _local_slice(grad, 1)
             flags[i, 0] = torch.isnan(local).any().to(device)
             flags[i, 1] = torch.isinf(local).any().to(device)
         except Exception as exc:  # the collective must still run
