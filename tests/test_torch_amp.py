@@ -405,8 +405,6 @@ def test_half_precision_gradients_are_summed_in_float32(dtype: torch.dtype, nume
         assert not frame.loc[name, "inf"]
 
 
-@pytest.mark.xfail(strict=True, reason="step._norms: torch._foreach_norm returns the norm in "
-                   "the gradient's dtype; it needs dtype=torch.float32 for half gradients")
 def test_half_precision_parameter_norms_taken_at_the_close_are_float32() -> None:
     # Two backward passes: the gradient changed after its hook, so the close measures it.
     leaf = torch.zeros(5000, dtype=torch.float16, requires_grad=True)

@@ -388,6 +388,10 @@ def _record(step: int, layer: str, tensor: str, kind: str, depth: int, shape: st
                             pre_norm=pre_norm)
 
 
+_NATIVE = (torch.float32, torch.float64)
+"""Dtypes whose norms ``_foreach_norm`` accumulates in their own precision without loss."""
+
+
 def _norms(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
     """L2 norms of ``grads``, as ``(positions, norms)`` parts.
 
@@ -410,8 +414,15 @@ def _norms(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
         stacked = torch.stack([grads[i] for i in order]).reshape(len(order), -1)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         parts.append((order, torch.linalg.vector_norm(stacked, dim=1, dtype=acc)))
-    if large:
-        parts.append((large, _stack(torch._foreach_norm([grads[i] for i in large]))))
+    # _foreach_norm returns a half gradient's norm in half precision, which overflows past
+    # 65504: half gradients are reduced in float32, the others in their own dtype.
+    native = [i for i in large if grads[i].dtype in _NATIVE]
+    upcast = [i for i in large if grads[i].dtype not in _NATIVE]
+    if native:
+        parts.append((native, _stack(torch._foreach_norm([grads[i] for i in native]))))
+    if upcast:
+        parts.append((upcast, _stack(torch._foreach_norm([grads[i] for i in upcast], 2,
+                                                         dtype=torch.float32))))
     return parts
 
 
