@@ -115,7 +115,8 @@ class Record(NamedTuple):
             (the others as in the class attributes)
         """
         mean = total / numel if numel else math.nan
-        var = norm * norm / numel - mean * mean if numel else math.nan
+        # One entry has no spread; the formula would leave the rounding error of norm**2.
+        var = (0.0 if numel == 1 else norm * norm / numel - mean * mean) if numel else math.nan
         std = math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.nan
         # tuple.__new__ skips the generated keyword-checking __new__: 3x faster, and a large
         # model closes tens of thousands of records a step.

@@ -185,7 +185,8 @@ class TorchAdapter(BaseAdapter):
             self.has_pending, self.grads_changed_in_place, self._fail_open("GradScaler"))
         for name, spec in self._options.intervene.items():
             check_mask_device(spec, name)
-        self._owners.claim(self._modules, type(self._root).__name__)
+        self._owners.claim(self._modules, class_name(self._root) if self._root is not None
+                           else "params")
         if self._model is not None:
             self._was_training = self._model.training
         for name, module in self._modules.items():
