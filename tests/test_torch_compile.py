@@ -22,7 +22,7 @@ from torch import nn  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import graddebug  # noqa: E402
-from graddebug.errors import GradDebugWarning  # noqa: E402
+from graddebug.errors import GradDebugWarning, MaskShapeError  # noqa: E402
 from torch_models import relu_mlp, tiny_transformer  # noqa: E402
 
 KEY = ["step", "layer", "tensor", "kind"]
@@ -126,6 +126,15 @@ def test_compiled_mlp_frame_equals_eager(outputs):
     assert set(compiled["kind"]) == ({"activation", "parameter"} if outputs else {"parameter"})
 
 
+def test_in_place_activation_after_a_watched_layer():
+    def build() -> tuple[nn.Module, torch.Tensor]:
+        torch.manual_seed(0)
+        return relu_mlp(depth=3, width=16, inputs=8, inplace=True), torch.randn(4, 8)
+
+    eager, compiled = _eager_and_compiled(build, backend="aot_eager")
+    assert_same_frame(eager, compiled)
+
+
 def test_watch_entered_before_compiling_the_model_records_the_same_frame():
     model, x = _mlp()
     reference = copy.deepcopy(model)
@@ -197,6 +206,20 @@ def test_intervention_changes_the_gradient_as_in_eager_mode():
     assert row["norm"] == pytest.approx(1e-3, rel=1e-5) and row["pre_norm"] > 1e-3
     for a, b in zip(model.parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_mask_acts_as_in_eager_mode_without_a_recompile_and_a_wrong_one_raises():
+    mask = torch.ones(1, 16)
+    mask[0, :8] = 0
+    eager, compiled = _eager_and_compiled(_mlp, steps=3, backend="aot_eager",
+                                          intervene={"2": {"mask": mask}})
+    assert_same_frame(eager, compiled)
+    assert counters["stats"]["unique_graphs"] == 1
+    model, x = _mlp()
+    call = torch.compile(model, backend="aot_eager")
+    with pytest.raises(MaskShapeError, match="'2' has shape \\(3, 5\\)"), \
+            graddebug.watch(call, intervene={"2": {"mask": torch.ones(3, 5)}}):
+        call(x)
 
 
 def test_detached_layer_and_nonfinite_forward_are_found_as_in_eager_mode():
@@ -294,6 +317,25 @@ def test_a_graph_compiled_under_one_watcher_serves_the_next():
     assert counters["stats"]["unique_graphs"] == 1
     for frame in frames[1:]:
         assert_same_frame(frames[0], frame)
+
+
+def test_watchers_with_other_options_alternate_on_one_compiled_model():
+    model, x = _mlp()
+    options = ({"outputs": False}, {}, {"outputs": False}, {"every": 2})
+
+    def frame(call: Callable[[torch.Tensor], torch.Tensor], **option: Any) -> pd.DataFrame:
+        with graddebug.watch(call, **option) as dbg:
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                call(x).square().mean().backward()
+                dbg.step()
+        return dbg.frame()
+
+    eager = [frame(model, **option) for option in options]
+    call = torch.compile(model, backend="aot_eager")
+    for option, reference in zip(options, eager, strict=True):
+        assert_same_frame(reference, frame(call, **option))
+    assert counters["stats"]["unique_graphs"] == 2  # one with output capture, one without
 
 
 def test_no_functorch_warning_under_compile():

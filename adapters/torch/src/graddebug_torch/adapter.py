@@ -307,13 +307,13 @@ class TorchAdapter(BaseAdapter):
         self._state.transformed = True
         self._ctx.warn_once("functorch", FUNCTORCH_WARNING)
 
-    def _on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> Any:
+    def _on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
         if tracing():
             # Dynamo is tracing this hook into a compiled graph, whose operators call back
             # here (args is then a Ran) and _on_grad when it runs: see graddebug_torch.compiled.
-            if not torch.is_grad_enabled():
-                return None
-            return trace_forward(layer, module, args, output, _finiteness)
+            if torch.is_grad_enabled():
+                trace_forward(layer, module, args, output, _finiteness)
+            return
         ctx = self._ctx
         if isinstance(args, Ran):  # a compiled forward, calling back as it runs
             if ctx.recording:
@@ -332,7 +332,7 @@ class TorchAdapter(BaseAdapter):
                             state.events.append(Event(
                                 ctx.step_index, layer.name, tname, layer.depth,
                                 EventKind.DETACHED_OUTPUT.value, SEVERED_DETAIL))
-            return None
+            return
         flow = self._flows.finished(module)
         if in_functorch_transform():
             self._skip_transformed()

@@ -8,14 +8,16 @@ region is traced into the backward graph and may hold tensor code only: a hook t
 into Python objects, or asks a gradient's layout (``is_contiguous``), breaks the graph.
 
 So while dynamo traces, the forward hook reads nothing that changes between steps and writes
-nothing. It emits two operators that dynamo, AOTAutograd and inductor treat as opaque and keep
-in place (they are registered as ordered side effects, so no pass removes or reorders them),
-and that call the watcher back when the graph runs:
+nothing. It emits operators that dynamo, AOTAutograd and inductor treat as opaque and keep in
+place (those that return nothing are registered as ordered side effects, so that no pass
+removes or reorders them), and that call the watcher back when the graph runs:
 
 - ``graddebug::forward_ran`` in the forward graph, once per call of a watched module, with the
   forward finiteness check of its outputs computed in the graph;
 - ``graddebug::grad_arrived`` (``graddebug::grad_replaced`` where an intervention changes the
   gradient) in the backward graph, from a tensor hook on each output, with the gradient itself.
+  Dynamo traces such a hook into the backward graph as it would any tensor hook, which keeps
+  in-place operations on the output working as in eager mode.
 
 At run time the watcher's own hook methods do the bookkeeping, exactly as in eager mode. The
 operators name the module by ``id``: the callback goes to the forward hook that a live watcher
@@ -155,29 +157,8 @@ for _op in (_forward_ran, _grad_arrived):
     _op.register_effect(EffectType.ORDERED)
 
 
-class _Observed(torch.autograd.Function):
-    """The identity, whose backward hands the gradient to the watcher.
-
-    What a tensor hook does in eager mode, in a form dynamo traces without trouble: a hook
-    registered on a tensor inside the region is traced on a path that can drop side effects
-    the model's own code recorded before it (transformers' key-value cache, in torch 2.13).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, tensor: Tensor, token: int, tname: str, replace: bool) -> Tensor:
-        ctx.token, ctx.tname, ctx.replace = token, tname, replace
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        if ctx.replace:
-            grad = torch.ops.graddebug.grad_replaced(grad, ctx.token, ctx.tname)
-        else:
-            torch.ops.graddebug.grad_arrived(grad, ctx.token, ctx.tname)
-        return grad, None, None, None
-
-
 def _on_grad(token: int, tname: str, replace: bool, grad: Tensor) -> Tensor | None:
+    # The tensor hook, traced into the backward graph: operators only.
     if replace:
         out: Tensor = torch.ops.graddebug.grad_replaced(grad, token, tname)
         return out
@@ -186,7 +167,7 @@ def _on_grad(token: int, tname: str, replace: bool, grad: Tensor) -> Tensor | No
 
 
 def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
-                  finiteness: Callable[[Tensor], Tensor]) -> Any:
+                  finiteness: Callable[[Tensor], Tensor]) -> None:
     """The forward hook's body while dynamo traces it: emit the operators, touch no state.
 
     Args:
@@ -195,11 +176,6 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
         args: Its positional inputs.
         output: Its output.
         finiteness: The forward check of an output (one reduction).
-
-    Returns:
-        The output for the module to return: a tensor output, or a tuple or list of them, with
-        each watched tensor passed through an identity whose backward reports its gradient;
-        None (the output unchanged) for other outputs, whose tensors get tensor hooks.
 
     Raises:
         MaskShapeError: The layer's mask does not broadcast to an output.
@@ -210,26 +186,24 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
     # be followed eagerly (graddebug_torch.valueflow): where it would have to be, say nothing.
     judged = any_requires_grad(args) and not needs_value_flow(module)
     token = id(module)
-    rebuilt = isinstance(output, Tensor) or type(output) in (tuple, list)
     outputs: list[Tensor] = []
     names: list[str] = []
     checks: list[Tensor | None] = []
     flags: list[int] = []
-    kept: dict[str, Tensor] = {}
     for tname, tensor in flatten(output):
         if not tensor.is_floating_point():
             continue
         if spec is not None and spec.mask is not None and not spec.mask_is_callable:
-            layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
+            # On a fresh spec: the layer's mask_checked flag, read here, would be a guard
+            # that recompiles the model once it is set.
+            LayerSpec(layer.name).check_mask(spec.mask, tuple(tensor.shape),
+                                             isinstance(spec.mask, Tensor))
         flag = 0
         if tensor.requires_grad:
             if layer.capture:
                 flag |= NEEDS_GRAD
             if layer.capture or replace:
-                if rebuilt:
-                    kept[tname] = _Observed.apply(tensor, token, tname, replace)
-                else:
-                    tensor.register_hook(functools.partial(_on_grad, token, tname, replace))
+                tensor.register_hook(functools.partial(_on_grad, token, tname, replace))
         elif judged:
             flag |= SEVERED
         outputs.append(tensor)
@@ -240,8 +214,3 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
     # ordered operator with no data inputs can be scheduled by inductor among the kernels of
     # the module's last fused computation (which freed one of their inputs too early).
     torch.ops.graddebug.forward_ran(outputs, checks, token, _SEP.join(names), flags)
-    if not kept:
-        return None
-    if isinstance(output, Tensor):
-        return kept["output"]
-    return type(output)(kept.get(f"output.{i}", item) for i, item in enumerate(output))
