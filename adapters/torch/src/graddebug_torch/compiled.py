@@ -9,8 +9,8 @@ into Python objects, or asks a gradient's layout (``is_contiguous``), breaks the
 
 So while dynamo traces, the forward hook reads nothing that changes between steps and writes
 nothing. It emits operators that dynamo, AOTAutograd and inductor treat as opaque and keep in
-place (those that return nothing are registered as ordered side effects, so that no pass
-removes or reorders them), and that call the watcher back when the graph runs:
+order (each writes a graph input or is registered as an ordered side effect, so that no pass
+removes or reorders it), and that call the watcher back when the graph runs:
 
 - ``graddebug::forward_ran`` in the forward graph, once per call of a watched module, with the
   forward finiteness check of its outputs computed in the graph;
@@ -101,19 +101,18 @@ def _hook_of(token: int) -> tuple[functools.partial[None], nn.Module] | None:
 _SEP = "\x1f"
 
 
-@torch.library.custom_op("graddebug::forward_ran", mutates_args=())
-def _forward_ran(outputs: list[Tensor], checks: list[Tensor | None], token: int, names: str,
+_SINK = torch.zeros(())
+"""What ``graddebug::forward_ran`` declares that it writes, and never does: the compilers keep
+an operator that writes a graph input, and run such operators in the order of the trace."""
+
+
+@torch.library.custom_op("graddebug::forward_ran", mutates_args=("sink",))
+def _forward_ran(sink: Tensor, checks: list[Tensor | None], token: int, names: str,
                  flags: list[int]) -> None:
     found = _hook_of(token)
     if found is not None:
         hook, module = found
         hook(module, Ran(names.split(_SEP) if names else [], checks, flags), None)
-
-
-@_forward_ran.register_fake
-def _(outputs: list[Tensor], checks: list[Tensor | None], token: int, names: str,
-      flags: list[int]) -> None:
-    return None
 
 
 def _grad_hook_target(token: int) -> tuple[_Watcher, LayerSpec] | None:
@@ -151,10 +150,13 @@ def _(grad: Tensor, token: int, tname: str) -> Tensor:
     return torch.empty_like(grad)
 
 
-# Without an effect the compilers would drop the two operators that return nothing (nothing
-# uses their result) and could move them; ordered, they run where the hooks ran.
-for _op in (_forward_ran, _grad_arrived):
-    _op.register_effect(EffectType.ORDERED)
+# Without an effect the compilers would drop an operator that returns nothing; ordered, it
+# runs where the hook ran. The forward operator writes a graph input instead (see _SINK): an
+# ordered operator there would need a data input to stay in place (inductor 2.13 otherwise
+# scheduled it among the kernels of a fused computation, and freed one of their inputs too
+# early), and a module's output as that input makes inductor write the output to memory
+# where it would have fused it into the next kernel (2.6x the plain step on a CNN).
+_grad_arrived.register_effect(EffectType.ORDERED)
 
 
 def _on_grad(token: int, tname: str, replace: bool, grad: Tensor) -> Tensor | None:
@@ -186,7 +188,6 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
     # be followed eagerly (graddebug_torch.valueflow): where it would have to be, say nothing.
     judged = any_requires_grad(args) and not needs_value_flow(module)
     token = id(module)
-    outputs: list[Tensor] = []
     names: list[str] = []
     checks: list[Tensor | None] = []
     flags: list[int] = []
@@ -206,11 +207,7 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
                 tensor.register_hook(functools.partial(_on_grad, token, tname, replace))
         elif judged:
             flag |= SEVERED
-        outputs.append(tensor)
         names.append(tname)
         checks.append(finiteness(tensor) if layer.capture else None)
         flags.append(flag)
-    # The outputs are inputs of the operator, unused, so that it runs after they exist: an
-    # ordered operator with no data inputs can be scheduled by inductor among the kernels of
-    # the module's last fused computation (which freed one of their inputs too early).
-    torch.ops.graddebug.forward_ran(outputs, checks, token, _SEP.join(names), flags)
+    torch.ops.graddebug.forward_ran(_SINK, checks, token, _SEP.join(names), flags)
