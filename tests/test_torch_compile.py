@@ -7,6 +7,7 @@ compiled run is never followed by a watched one of the same class without a rese
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterator
@@ -121,7 +122,7 @@ def _count(model: nn.Module, x: torch.Tensor, steps: int = 3, **options: Any
 
 @pytest.mark.parametrize("outputs", [True, False], ids=["outputs", "params_only"])
 def test_compiled_mlp_frame_equals_eager(outputs):
-    eager, compiled = _eager_and_compiled(_mlp, outputs=outputs)
+    eager, compiled = _eager_and_compiled(_mlp, backend="aot_eager", outputs=outputs)
     assert_same_frame(eager, compiled)
     assert set(compiled["kind"]) == ({"activation", "parameter"} if outputs else {"parameter"})
 
@@ -141,7 +142,7 @@ def test_watch_entered_before_compiling_the_model_records_the_same_frame():
     eager, _ = _train(reference, reference, x)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with graddebug.watch(model) as dbg:
-        call = torch.compile(model)
+        call = torch.compile(model, backend="aot_eager")
         for _ in range(2):
             opt.zero_grad(set_to_none=True)
             call(x).square().mean().backward()
@@ -152,7 +153,7 @@ def test_watch_entered_before_compiling_the_model_records_the_same_frame():
 
 def test_activation_norm_equals_autograd_grad_under_compile():
     model, x = _mlp()
-    call = torch.compile(model)
+    call = torch.compile(model, backend="aot_eager")
     with graddebug.watch(call) as dbg:
         call(x).square().mean().backward()
         dbg.step()
@@ -160,32 +161,6 @@ def test_activation_norm_equals_autograd_grad_under_compile():
     (expected,) = torch.autograd.grad(model[2:](h).square().mean(), h)
     row = dbg.frame().query("layer == '1' and kind == 'activation'")
     np.testing.assert_allclose(row["norm"], [float(expected.norm())], rtol=1e-5)
-
-
-def test_compiled_training_is_bitwise_identical_with_and_without_watch():
-    model, x = _mlp()
-    watched = copy.deepcopy(model)
-    for m, watch in ((model, False), (watched, True)):
-        torch._dynamo.reset()
-        call = torch.compile(m)
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        with graddebug.watch(call) if watch else _null() as dbg:
-            for _ in range(3):
-                opt.zero_grad(set_to_none=True)
-                call(x).square().mean().backward()
-                if dbg is not None:
-                    dbg.step()
-                opt.step()
-    for a, b in zip(model.parameters(), watched.parameters(), strict=True):
-        assert torch.equal(a, b)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def test_every_n_records_the_same_steps_as_eager():
@@ -222,7 +197,8 @@ def test_mask_acts_as_in_eager_mode_without_a_recompile_and_a_wrong_one_raises()
         call(x)
 
 
-def test_detached_layer_and_nonfinite_forward_are_found_as_in_eager_mode():
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_detached_layer_and_nonfinite_forward_are_found_as_in_eager_mode(backend):
     class Cut(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -247,14 +223,35 @@ def test_detached_layer_and_nonfinite_forward_are_found_as_in_eager_mode():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", GradDebugWarning)  # the findings' own warnings
             _, eager = _train(model, model, x, steps=1)
-            _, compiled = _train(compiled_model, torch.compile(compiled_model,
-                                                               backend="aot_eager"),
+            _, compiled = _train(compiled_model, torch.compile(compiled_model, backend=backend),
                                  x, steps=1)
         assert len(eager)
         columns = ["step", "layer", "tensor", "issue", "message"]
         pd.testing.assert_frame_equal(
             compiled[columns].sort_values(columns).reset_index(drop=True),
             eager[columns].sort_values(columns).reset_index(drop=True))
+
+
+def test_operators_keep_copies_of_what_the_graph_hands_them():
+    """Inductor reuses a graph's buffers for later results: what the operators keep past
+    their call must be copies. Calls as a compiled step would make them, by hand."""
+    model, _ = _mlp()
+    first = model[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GradDebugWarning)  # the NaN's own warning
+        with graddebug.watch(model) as dbg:
+            check = torch.tensor(float("nan"))
+            torch.ops.graddebug.forward_ran(torch.zeros(()), [check], id(first), "output", [0])
+            sq, total = torch.tensor(9.0), torch.tensor(1.0)
+            high, low = torch.full((16,), 2.0), torch.full((16,), -1.0)
+            torch.ops.graddebug.grad_summarized([sq, total, high, low], id(first), "output",
+                                                [4, 16])
+            for buffer in (check, sq, total, high, low):
+                buffer.zero_()  # as a later kernel of the graph reusing them would
+            dbg.step()
+    row = dbg.frame().query("layer == '0' and kind == 'activation'").iloc[0]
+    assert (row["norm"], row["absmax"], row["shape"]) == (3.0, 2.0, "(4, 16)")
+    assert "0" in set(dbg.findings().query("issue == 'nonfinite'")["layer"])
 
 
 def test_tap_inside_a_compiled_function_records_as_in_eager_mode():
@@ -352,8 +349,33 @@ def test_no_functorch_warning_under_compile():
 # -- larger models (compilation takes a while on CPU) ------------------------------------------
 
 
+# Inductor (the default backend) compiles to C++; the backend "aot_eager" above runs the same
+# dynamo and AOTAutograd graphs (where hooks become operators) without that step.
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("outputs", [True, False], ids=["outputs", "params_only"])
-def test_compiled_transformer_frame_equals_eager(outputs):
-    eager, compiled = _eager_and_compiled(_transformer, outputs=outputs)
+@pytest.mark.parametrize("build", [_mlp, _transformer], ids=["mlp", "transformer"])
+def test_inductor_frame_equals_eager(build, outputs):
+    eager, compiled = _eager_and_compiled(build, outputs=outputs)
     assert_same_frame(eager, compiled)
+
+
+@pytest.mark.slow
+def test_compiled_training_is_bitwise_identical_with_and_without_watch():
+    model, x = _mlp()
+    watched = copy.deepcopy(model)
+    for m, watch in ((model, False), (watched, True)):
+        torch._dynamo.reset()
+        call = torch.compile(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        with graddebug.watch(call) if watch else contextlib.nullcontext() as dbg:
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                call(x).square().mean().backward()
+                if dbg is not None:
+                    dbg.step()
+                opt.step()
+    for a, b in zip(model.parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b)
+
