@@ -232,6 +232,31 @@ def test_detached_layer_and_nonfinite_forward_are_found_as_in_eager_mode(backend
             eager[columns].sort_values(columns).reset_index(drop=True))
 
 
+def test_an_output_only_eager_mode_can_judge_is_named_in_one_warning():
+    class Mask(nn.Module):  # parameter-free, outside torch.nn: a cut only if values flowed
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ones(x.shape[0], 1)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.mask = nn.Linear(8, 4), Mask()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            return h * self.mask(h)
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 8)
+    compiled_model = copy.deepcopy(model)
+    _, eager = _train(model, model, x, steps=1)  # pytest makes a GradDebugWarning an error
+    with pytest.warns(GradDebugWarning, match="'mask' ran inside torch.compile") as caught:
+        _, compiled = _train(compiled_model, torch.compile(compiled_model, backend="aot_eager"),
+                             x, steps=2)
+    assert len([w for w in caught if issubclass(w.category, GradDebugWarning)]) == 1
+    assert eager.empty and compiled.empty  # no cut_graph finding either way
+
+
 def test_operators_keep_copies_of_what_the_graph_hands_them():
     """Inductor reuses a graph's buffers for later results: what the operators keep past
     their call must be copies. Calls as a compiled step would make them, by hand."""

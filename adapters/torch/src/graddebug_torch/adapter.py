@@ -23,6 +23,8 @@ from graddebug.records import Event, EventKind
 from graddebug_torch.compiled import (
     NEEDS_GRAD,
     SEVERED,
+    UNJUDGED,
+    UNJUDGED_WARNING,
     Ran,
     Summary,
     run_eagerly,
@@ -340,6 +342,9 @@ class TorchAdapter(BaseAdapter):
                             state.events.append(Event(
                                 ctx.step_index, layer.name, tname, layer.depth,
                                 EventKind.DETACHED_OUTPUT.value, SEVERED_DETAIL))
+                        if flag & UNJUDGED:
+                            ctx.warn_once("compiled-value-flow",
+                                          UNJUDGED_WARNING.format(layer=layer.name))
             return
         flow = self._flows.finished(module)
         if in_functorch_transform():

@@ -44,13 +44,24 @@ from graddebug_torch.outputs import any_requires_grad, flatten, unit_dim
 from graddebug_torch.stats import acc_dtype
 from graddebug_torch.valueflow import needs_value_flow
 
-__all__ = ["NEEDS_GRAD", "SEVERED", "Ran", "Summary", "run_eagerly", "trace_forward",
-           "tracing"]
+__all__ = ["NEEDS_GRAD", "SEVERED", "UNJUDGED", "UNJUDGED_WARNING", "Ran", "Summary",
+           "run_eagerly", "trace_forward", "tracing"]
 
 NEEDS_GRAD = 1
 """Flag of an output that requires a gradient (a tensor hook was set on it)."""
 SEVERED = 2
 """Flag of an output that requires no gradient although an input of the module does."""
+UNJUDGED = 4
+"""Flag of such an output of a module whose values only eager mode can follow
+(:mod:`graddebug_torch.valueflow`): whether it cut the graph is not judged."""
+UNJUDGED_WARNING = (
+    "graddebug: {layer!r} ran inside torch.compile and returned an output that needs no "
+    "gradient although its input needs one. graddebug follows values through such "
+    "parameter-free modules in eager mode only, so it cannot tell a cut (.detach(), no_grad) "
+    "from an output built from the input's shape (a mask, a position table): no cut_graph "
+    "finding is made for it, or for other such modules, in compiled graphs. Watch one step "
+    "of the model uncompiled to check."
+)
 
 
 def tracing() -> bool:
@@ -75,7 +86,7 @@ class Ran:
     Attributes:
         names: The ``tensor`` name of each floating output.
         checks: The forward finiteness check of each output (None where it is not captured).
-        flags: :data:`NEEDS_GRAD` and :data:`SEVERED` bits of each output.
+        flags: :data:`NEEDS_GRAD`, :data:`SEVERED` and :data:`UNJUDGED` bits of each output.
     """
 
     names: Sequence[str]
@@ -246,8 +257,9 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
     spec = layer.intervention
     replace = spec is not None and spec.active
     # Whether an output that needs no gradient was computed from the inputs' values can only
-    # be followed eagerly (graddebug_torch.valueflow): where it would have to be, say nothing.
-    judged = any_requires_grad(args) and not needs_value_flow(module)
+    # be followed eagerly (graddebug_torch.valueflow).
+    severs = SEVERED if not needs_value_flow(module) else UNJUDGED
+    inputs_need_grad = any_requires_grad(args)
     token = id(module)
     names: list[str] = []
     checks: list[Tensor | None] = []
@@ -268,8 +280,8 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
                 tensor.register_hook(functools.partial(
                     _on_grad, token, tname, replace, layer.keep,
                     unit_dim(tensor.dim(), layer.channels_first)))
-        elif judged:
-            flag |= SEVERED
+        elif inputs_need_grad:
+            flag |= severs
         names.append(tname)
         checks.append(finiteness(tensor) if layer.capture else None)
         flags.append(flag)
