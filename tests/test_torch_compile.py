@@ -257,26 +257,21 @@ def test_an_output_only_eager_mode_can_judge_is_named_in_one_warning():
     assert eager.empty and compiled.empty  # no cut_graph finding either way
 
 
-def test_operators_keep_copies_of_what_the_graph_hands_them():
-    """Inductor reuses a graph's buffers for later results: what the operators keep past
-    their call must be copies. Calls as a compiled step would make them, by hand."""
+def test_forward_operator_keeps_a_copy_of_the_check_it_is_handed():
+    """Inductor reuses a graph's buffers for later results: a forward check kept until the
+    step closes must be a copy. The call a compiled forward makes, by hand."""
     model, _ = _mlp()
-    first = model[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GradDebugWarning)  # the NaN's own warning
         with graddebug.watch(model) as dbg:
             check = torch.tensor(float("nan"))
-            torch.ops.graddebug.forward_ran(torch.zeros(()), [check], id(first), "output", [0])
-            sq, total = torch.tensor(9.0), torch.tensor(1.0)
-            high, low = torch.full((16,), 2.0), torch.full((16,), -1.0)
-            torch.ops.graddebug.grad_summarized([sq, total, high, low], id(first), "output",
-                                                [4, 16])
-            for buffer in (check, sq, total, high, low):
-                buffer.zero_()  # as a later kernel of the graph reusing them would
+            torch.ops.graddebug.forward_ran(torch.zeros(()), [check], id(model[0]), "output",
+                                            [0])
+            check.zero_()  # as a later kernel of the graph reusing the buffer would
+            model(torch.randn(4, 8)).square().mean().backward()
             dbg.step()
-    row = dbg.frame().query("layer == '0' and kind == 'activation'").iloc[0]
-    assert (row["norm"], row["absmax"], row["shape"]) == (3.0, 2.0, "(4, 16)")
-    assert "0" in set(dbg.findings().query("issue == 'nonfinite'")["layer"])
+    found = dbg.findings().query("issue == 'nonfinite'")
+    assert "0" in set(found["layer"])
 
 
 def test_tap_inside_a_compiled_function_records_as_in_eager_mode():

@@ -26,7 +26,6 @@ from graddebug_torch.compiled import (
     UNJUDGED,
     UNJUDGED_WARNING,
     Ran,
-    Summary,
     run_eagerly,
     trace_forward,
     tracing,
@@ -402,10 +401,10 @@ class TorchAdapter(BaseAdapter):
         return intervene_fail_open(spec, name, grad, apply_intervention, fits,
                                    self._ctx.internal_error)
 
-    def _on_grad(self, layer: LayerSpec, tname: str, grad: Tensor | Summary) -> Tensor | None:
+    def _on_grad(self, layer: LayerSpec, tname: str, grad: Tensor) -> Tensor | None:
         spec = layer.intervention
         new = None
-        if spec is not None and spec.active and isinstance(grad, Tensor):
+        if spec is not None and spec.active:
             new = self._intervene(spec, layer.name, grad)
         if not self._ctx.recording:
             # Only a compiled graph calls this on a step that every= skips: its operators run
@@ -415,43 +414,36 @@ class TorchAdapter(BaseAdapter):
             self._record_grad(layer, tname, grad, new)
         return new
 
-    def _record_grad(self, layer: LayerSpec, tname: str, grad: Tensor | Summary,
+    def _record_grad(self, layer: LayerSpec, tname: str, grad: Tensor,
                      new: Tensor | None) -> None:
-        flowing: Tensor | None = None  # the gradient as it flows on
-        if isinstance(grad, Summary):  # statistics taken in a compiled backward graph
-            capture = Capture(grad.sq, grad.total, grad.extremes, grad.absmax,
-                              shape_text(grad.shape), grad.shape.numel(), None,
-                              0 if grad.extremes is None else grad.extremes[0].numel())
+        seen = new if new is not None else grad
+        if seen.is_sparse:
+            seen = seen.coalesce().values()
+        unit_dim = _unit_dim(seen.dim(), layer.channels_first)
+        if new is None and SmallGrads.fits(seen):
+            capture = Capture.pending(
+                self._staging.put(seen, unit_dim), shape_text(seen.shape), seen.numel(),
+                seen.shape[unit_dim] if unit_dim is not None else 0)
         else:
-            flowing = new if new is not None else grad
-            seen = flowing
-            if seen.is_sparse:
-                seen = seen.coalesce().values()
-            unit_dim = _unit_dim(seen.dim(), layer.channels_first)
-            if new is None and SmallGrads.fits(seen):
-                capture = Capture.pending(
-                    self._staging.put(seen, unit_dim), shape_text(seen.shape), seen.numel(),
-                    seen.shape[unit_dim] if unit_dim is not None else 0)
-            else:
-                extremes = unit_extremes(seen, unit_dim)
-                capture = Capture(
-                    sq=square_sum(seen),
-                    total=seen.sum(dtype=acc_dtype(seen)),
-                    extremes=extremes,
-                    absmax=whole_absmax(seen) if extremes is None else None,
-                    shape=shape_text(seen.shape),
-                    numel=seen.numel(),
-                    pre_sq=square_sum(grad) if new is not None else None,
-                    n_units=0 if extremes is None else extremes[0].numel(),
-                )
+            extremes = unit_extremes(seen, unit_dim)
+            capture = Capture(
+                sq=square_sum(seen),
+                total=seen.sum(dtype=acc_dtype(seen)),
+                extremes=extremes,
+                absmax=whole_absmax(seen) if extremes is None else None,
+                shape=shape_text(seen.shape),
+                numel=seen.numel(),
+                pre_sq=square_sum(grad) if new is not None else None,
+                n_units=0 if extremes is None else extremes[0].numel(),
+            )
         key = (layer.name, tname)
         calls = self._state.captures.get(key)
         if calls is None:
             calls = self._state.captures[key] = []
         calls.append(capture)
-        if layer.keep and flowing is not None:
+        if layer.keep:
             label = keep_label(layer.name, tname, len(calls) - 1)
-            self._state.kept[label] = kept_array(flowing)
+            self._state.kept[label] = kept_array(new if new is not None else grad)
 
     # -- closing a step ---------------------------------------------------------------------
 

@@ -14,10 +14,8 @@ removes or reorders it), and that call the watcher back when the graph runs:
 
 - ``graddebug::forward_ran`` in the forward graph, once per call of a watched module, with the
   forward finiteness check of its outputs computed in the graph;
-- ``graddebug::grad_summarized`` in the backward graph, from a tensor hook on each output, with
-  the gradient's statistics computed in the graph (inductor fuses them into its kernels);
-  ``graddebug::grad_arrived`` with the gradient itself where ``keep=`` wants it, and
-  ``graddebug::grad_replaced`` where an intervention changes it.
+- ``graddebug::grad_arrived`` (``graddebug::grad_replaced`` where an intervention changes the
+  gradient) in the backward graph, from a tensor hook on each output, with the gradient itself.
   Dynamo traces such a hook into the backward graph as it would any tensor hook, which keeps
   in-place operations on the output working as in eager mode.
 
@@ -40,12 +38,11 @@ from torch._library.effects import EffectType
 
 from graddebug.capture.layers import LayerSpec
 from graddebug_torch.guards import hooked_module
-from graddebug_torch.outputs import any_requires_grad, flatten, unit_dim
-from graddebug_torch.stats import acc_dtype
+from graddebug_torch.outputs import any_requires_grad, flatten
 from graddebug_torch.valueflow import needs_value_flow
 
-__all__ = ["NEEDS_GRAD", "SEVERED", "UNJUDGED", "UNJUDGED_WARNING", "Ran", "Summary",
-           "run_eagerly", "trace_forward", "tracing"]
+__all__ = ["NEEDS_GRAD", "SEVERED", "UNJUDGED", "UNJUDGED_WARNING", "Ran", "run_eagerly",
+           "trace_forward", "tracing"]
 
 NEEDS_GRAD = 1
 """Flag of an output that requires a gradient (a tensor hook was set on it)."""
@@ -94,29 +91,8 @@ class Ran:
     flags: Sequence[int]
 
 
-@dataclass(frozen=True)
-class Summary:
-    """The statistics of a gradient at a layer output, computed in the compiled backward graph
-    (fused into its kernels), handed to the watcher's ``_on_grad`` in place of the gradient.
-
-    Attributes:
-        sq: Sum of squares, 0-d, in :func:`~graddebug_torch.stats.acc_dtype`.
-        total: Sum, 0-d, in the same dtype.
-        extremes: Per-unit ``(max, min)``; None without a unit axis.
-        absmax: ``max |g|`` where there is no unit axis, else None.
-        shape: The gradient's shape.
-    """
-
-    sq: Tensor
-    total: Tensor
-    extremes: tuple[Tensor, Tensor] | None
-    absmax: Tensor | None
-    shape: torch.Size
-
-
 class _Watcher(Protocol):
-    def _on_grad(self, layer: LayerSpec, tname: str, grad: Tensor | Summary
-                 ) -> Tensor | None: ...
+    def _on_grad(self, layer: LayerSpec, tname: str, grad: Tensor) -> Tensor | None: ...
 
 
 def _hook_of(token: int) -> tuple[functools.partial[None], nn.Module] | None:
@@ -174,22 +150,6 @@ def _(grad: Tensor, token: int, tname: str) -> None:
     return None
 
 
-@torch.library.custom_op("graddebug::grad_summarized", mutates_args=())
-def _grad_summarized(stats: list[Tensor], token: int, tname: str, shape: list[int]) -> None:
-    target = _grad_hook_target(token)
-    if target is None:
-        return
-    sq, total, *rest = (t.clone() for t in stats)  # inductor reuses its buffers
-    extremes = (rest[0], rest[1]) if len(rest) == 2 else None
-    absmax = rest[0] if len(rest) == 1 else None
-    target[0]._on_grad(target[1], tname, Summary(sq, total, extremes, absmax, torch.Size(shape)))
-
-
-@_grad_summarized.register_fake
-def _(stats: list[Tensor], token: int, tname: str, shape: list[int]) -> None:
-    return None
-
-
 @torch.library.custom_op("graddebug::grad_replaced", mutates_args=())
 def _grad_replaced(grad: Tensor, token: int, tname: str) -> Tensor:
     target = _grad_hook_target(token)
@@ -210,33 +170,16 @@ def _(grad: Tensor, token: int, tname: str) -> Tensor:
 # scheduled it among the kernels of a fused computation, and freed one of their inputs too
 # early), and a module's output as that input makes inductor write the output to memory
 # where it would have fused it into the next kernel (2.6x the plain step on a CNN).
-for _op in (_grad_arrived, _grad_summarized):
-    _op.register_effect(EffectType.ORDERED)
+_grad_arrived.register_effect(EffectType.ORDERED)
 
 
-def _summarize(grad: Tensor, units: int | None) -> list[Tensor]:
-    """What the eager hook computes from a gradient (graddebug_torch.stats), as graph code;
-    ``units`` is the axis of units."""
-    wide = grad.to(acc_dtype(grad))  # fused into the reductions: no copy
-    stats = [wide.square().sum(), wide.sum()]
-    if units is None:
-        return [*stats, torch.maximum(grad.amax(), grad.amin().neg())]
-    dims = [d for d in range(grad.dim()) if d != units]
-    return [*stats, grad.amax(dims), grad.amin(dims)]
-
-
-def _on_grad(token: int, tname: str, replace: bool, whole: bool, units: int | None,
-             grad: Tensor) -> Tensor | None:
-    # The tensor hook, traced into the backward graph: operators only. The gradient itself
-    # goes to the watcher where it is changed or kept (keep=); else its statistics do.
+def _on_grad(token: int, tname: str, replace: bool, grad: Tensor) -> Tensor | None:
+    # The tensor hook, traced into the backward graph: operators only. Statistics taken here
+    # in graph code instead, fused by inductor, made the backward no faster (ResNet-18).
     if replace:
         out: Tensor = torch.ops.graddebug.grad_replaced(grad, token, tname)
         return out
-    if whole:
-        torch.ops.graddebug.grad_arrived(grad, token, tname)
-    else:
-        torch.ops.graddebug.grad_summarized(_summarize(grad, units), token, tname,
-                                            list(grad.shape))
+    torch.ops.graddebug.grad_arrived(grad, token, tname)
     return None
 
 
@@ -277,9 +220,7 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
             if layer.capture:
                 flag |= NEEDS_GRAD
             if layer.capture or replace:
-                tensor.register_hook(functools.partial(
-                    _on_grad, token, tname, replace, layer.keep,
-                    unit_dim(tensor.dim(), layer.channels_first)))
+                tensor.register_hook(functools.partial(_on_grad, token, tname, replace))
         elif inputs_need_grad:
             flag |= severs
         names.append(tname)
