@@ -5,6 +5,7 @@ Run by hand (it is a benchmark, not a test)::
     python benchmarks/overhead_torch.py                       # all workloads, both configs
     python benchmarks/overhead_torch.py --rounds 15 --steps-per-round 10 --workloads mlp
     python benchmarks/overhead_torch.py --profile --workloads transformer
+    python benchmarks/overhead_torch.py --compile --workloads mlp,transformer,resnet18
 
 A training step is ``zero_grad, forward, loss, backward, SGD step`` and, when watched,
 ``dbg.step()`` right after ``backward`` (as the library documents). Plain and watched rounds run in
@@ -16,11 +17,21 @@ and leaving (attaching and removing hooks) is timed separately, not charged to t
 a real run enters once for thousands of steps. The ratio of a round is its watched time over the
 plain time of the same pair, where a round's time is the median of its steps, each timed on its
 own; the table quotes the median of these ratios over rounds.
+
+With ``--compile`` both sides run ``torch.compile``d models, and the script also counts the graph
+breaks and compiled graphs of a few steps, plain and under each config, each from a clean dynamo
+state (``torch._dynamo.utils.counters``, backend "eager": breaks are dynamo's). Dynamo does not
+guard on hooks added to a module after a hook-free graph of its class was compiled
+(``torch._dynamo.config.skip_nnmodule_hook_guards``), so the watched side is a copy of the model
+under a subclass of its class, compiled apart: sharing one model, the plain rounds' graph would
+serve the watched rounds too, without graddebug's hooks. The ``rows/step`` column shows that the
+watched rounds recorded.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import gc
 import json
@@ -41,6 +52,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor, nn
+from torch._dynamo.utils import counters
 
 import graddebug
 from graddebug import Watcher
@@ -48,7 +60,11 @@ from graddebug import Watcher
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "overhead_torch.json"
-WORKLOADS: tuple[str, ...] = ("mlp", "cnn", "transformer")
+COMPILED_JSON = DEFAULT_JSON.with_name("overhead_torch_compile.json")
+WORKLOADS: tuple[str, ...] = ("mlp", "cnn", "transformer", "resnet18", "gpt2")
+DEFAULT_WORKLOADS: tuple[str, ...] = ("mlp", "cnn", "transformer")
+CENSUS_STEPS = 3
+"""Steps run to count graph breaks and compiled graphs (a recompile shows from the second)."""
 GRADDEBUG_DIRS: tuple[str, ...] = ("/graddebug/", "/graddebug_torch/")
 # The functions through which graddebug's work enters a training step.
 ENTRY_POINTS: tuple[str, ...] = ("_on_forward", "_on_grad", "_on_param_grad", "step")
@@ -124,6 +140,12 @@ class Result:
         round_ratios: Every round's ratio, in round order.
         plain_round_ms: Every plain round's median step time (ms).
         watched_round_ms: Every watched round's median step time (ms).
+        compiled: Both sides ran under ``torch.compile``.
+        graph_breaks_plain: Graph breaks over the census steps of the plain compiled model
+            (-1 when not compiled).
+        graph_breaks_watched: The same, watched under this config.
+        graphs_plain: Graphs dynamo compiled over the census steps, plain (-1: not compiled).
+        graphs_watched: The same, watched under this config.
     """
 
     workload: str
@@ -143,6 +165,11 @@ class Result:
     round_ratios: list[float] = field(default_factory=list)
     plain_round_ms: list[float] = field(default_factory=list)
     watched_round_ms: list[float] = field(default_factory=list)
+    compiled: bool = False
+    graph_breaks_plain: int = -1
+    graph_breaks_watched: int = -1
+    graphs_plain: int = -1
+    graphs_watched: int = -1
 
 
 # -- workloads ---------------------------------------------------------------------------------
@@ -179,10 +206,82 @@ def _transformer() -> tuple[nn.Module, Tensor, Tensor, LossFn, str]:
     return model, x, y, nn.functional.mse_loss, "TransformerEncoder d256 h4 L4 ff1024, b=16 s=64"
 
 
+class _BasicBlock(nn.Module):
+    """torchvision's ResNet ``BasicBlock``: two 3x3 conv-BN pairs and a (projected) shortcut."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.downsample = None if stride == 1 and c_in == c_out else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class ResNet18(nn.Module):
+    """torchvision's ``resnet18`` layout (module names and shapes), built here so that the
+    benchmark needs no torchvision."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        widths = (64, 128, 256, 512)
+        for i, width in enumerate(widths):
+            c_in = widths[max(i - 1, 0)]
+            stride = 1 if i == 0 else 2
+            setattr(self, f"layer{i + 1}", nn.Sequential(
+                _BasicBlock(c_in, width, stride), _BasicBlock(width, width, 1)))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        for i in range(1, 5):
+            x = getattr(self, f"layer{i}")(x)
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+def _resnet18() -> tuple[nn.Module, Tensor, Tensor, LossFn, str]:
+    x, y = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+    return (ResNet18(), x, y, nn.functional.cross_entropy,
+            "ResNet-18 (torchvision layout), b=16, 64x64, 10 classes")
+
+
+def _gpt2() -> tuple[nn.Module, Tensor, Tensor, LossFn, str]:
+    import transformers  # an optional workload: only this one needs transformers
+
+    # No key-value cache, as in training: under torch.compile (torch 2.13) a tensor hook traced
+    # after the cache's update loses the cache's attributes, and dynamo falls back to eager.
+    config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=512,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0,
+                                     use_cache=False)
+    tokens = torch.randint(0, 512, (8, 64))
+
+    def loss(output: Any, target: Tensor) -> Tensor:
+        logits: Tensor = output.logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    return (transformers.GPT2LMHeadModel(config), tokens, tokens, loss,
+            "GPT-2 (transformers) L4 d128 h4, b=8 s=64, vocab 512")
+
+
 _BUILDERS: dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor, LossFn, str]]] = {
     "mlp": _mlp,
     "cnn": _cnn,
     "transformer": _transformer,
+    "resnet18": _resnet18,
+    "gpt2": _gpt2,
 }
 
 
@@ -203,6 +302,57 @@ def build_workload(name: str, device: torch.device, seed: int = 0) -> Workload:
     # A small learning rate keeps the shared weights sane over hundreds of steps.
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     return Workload(name, description, model, optimizer, x.to(device), y.to(device), loss_fn)
+
+
+def compiled_copy(work: Workload, apart: bool) -> Workload:
+    """A ``torch.compile``d copy of ``work``'s model, with its own optimizer.
+
+    Args:
+        work: An eager workload.
+        apart: Give the copy a subclass of the model's class, so that dynamo compiles its
+            graphs apart from those of the original's class: dynamo would otherwise reuse a
+            hook-free graph of the class for a watched copy, without graddebug's hooks.
+
+    Returns:
+        The workload of the compiled copy (same batch and loss).
+    """
+    model = copy.deepcopy(work.model)
+    if apart:
+        cls = type(model)
+        model.__class__ = type(f"Watched{cls.__name__}", (cls,), {})
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    return Workload(work.name, work.description, torch.compile(model), optimizer,
+                    work.inputs, work.target, work.loss_fn)
+
+
+def graph_census(name: str, options: dict[str, Any] | None, device: torch.device
+                 ) -> tuple[int, int]:
+    """Graph breaks and compiled graphs of :data:`CENSUS_STEPS` steps of a compiled workload,
+    from a clean dynamo state; dynamo alone traces (backend "eager"), since breaks are its.
+
+    Args:
+        name: Workload name.
+        options: ``graddebug.watch`` options, or None for plain steps.
+        device: Where to run.
+
+    Returns:
+        ``(graph breaks, graphs)`` as ``torch._dynamo.utils.counters`` counts them.
+    """
+    work = build_workload(name, device)
+    torch._dynamo.reset()
+    counters.clear()
+    work.model = torch.compile(work.model, backend="eager")
+    if options is None:
+        for _ in range(CENSUS_STEPS):
+            train_step(work, None)
+    else:
+        with graddebug.watch(work.model, **options) as dbg:
+            for _ in range(CENSUS_STEPS):
+                train_step(work, dbg)
+    breaks = sum(counters["graph_break"].values())
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return breaks, graphs
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -308,6 +458,7 @@ def benchmark_workload(
     warmup: int,
     device: torch.device,
     console: Console,
+    compiled: bool = False,
 ) -> list[Result]:
     """Measure every config on one workload, plain and watched rounds interleaved.
 
@@ -316,30 +467,44 @@ def benchmark_workload(
         configs: The watch configurations to compare with plain training.
         rounds: Timed rounds per config.
         steps: Steps per round.
-        warmup: Untimed rounds per config before the timed ones.
+        warmup: Untimed rounds per config before the timed ones (under ``compiled``, they
+            take the compilation).
         device: Where to run.
         console: For progress lines.
+        compiled: Run both sides under ``torch.compile`` and count graph breaks.
 
     Returns:
         One result per config, in ``configs`` order.
     """
     work = build_workload(name, device)
-    watchers = {c.key: graddebug.watch(work.model, **c.options) for c in configs}
-    results = {c.key: Result(name, c.key, c.label, c.target) for c in configs}
-    enter_exit: dict[str, list[float]] = {c.key: [] for c in configs}
+    results = {c.key: Result(name, c.key, c.label, c.target, compiled=compiled)
+               for c in configs}
     console.print(f"[bold]{name}[/bold]: {work.description}, "
                   f"{sum(p.numel() for p in work.model.parameters()):,} parameters")
+    plain_work = watched_work = work
+    if compiled:
+        plain_census = graph_census(name, None, device)
+        for c in configs:
+            res = results[c.key]
+            res.graph_breaks_plain, res.graphs_plain = plain_census
+            res.graph_breaks_watched, res.graphs_watched = graph_census(name, c.options, device)
+            console.print(f"  {c.label}: graph breaks {res.graph_breaks_plain} plain, "
+                          f"{res.graph_breaks_watched} watched; graphs {res.graphs_plain} "
+                          f"plain, {res.graphs_watched} watched", style="dim")
+        plain_work, watched_work = compiled_copy(work, False), compiled_copy(work, True)
+    watchers = {c.key: graddebug.watch(watched_work.model, **c.options) for c in configs}
+    enter_exit: dict[str, list[float]] = {c.key: [] for c in configs}
     for r in range(-warmup, rounds):
         for config in configs:
             watcher = watchers[config.key]
             mean = watcher.every > 1  # a median would hide the one recorded step in N
             # Flip the order every round so that drift favours neither side.
             if r % 2 == 0:
-                plain = time_steps(work, steps, None, device, mean)
-                watched, enter = time_watched(work, steps, watcher, device, mean)
+                plain = time_steps(plain_work, steps, None, device, mean)
+                watched, enter = time_watched(watched_work, steps, watcher, device, mean)
             else:
-                watched, enter = time_watched(work, steps, watcher, device, mean)
-                plain = time_steps(work, steps, None, device, mean)
+                watched, enter = time_watched(watched_work, steps, watcher, device, mean)
+                plain = time_steps(plain_work, steps, None, device, mean)
             if r < 0:
                 continue
             res = results[config.key]
@@ -390,17 +555,23 @@ def results_table(results: Sequence[Result], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("workload")
     table.add_column("config")
-    for col in ("plain ms/step", "watched ms/step", "ratio", "ratio IQR", "best/best",
-                "target", "rows/step"):
+    compiled = any(res.compiled for res in results)
+    columns = ["plain ms/step", "watched ms/step", "ratio", "ratio IQR", "best/best",
+               "target", "rows/step"]
+    if compiled:
+        columns += ["breaks plain/watched", "graphs plain/watched"]
+    for col in columns:
         table.add_column(col, justify="right")
     table.add_column("result")
     for res in results:
         verdict = "[green]pass[/green]" if res.passed else "[red]FAIL[/red]"
-        table.add_row(
-            res.workload, res.label, f"{res.plain_ms:.2f}", f"{res.watched_ms:.2f}",
-            f"{res.ratio:.3f}", f"{res.ratio_q1:.2f}-{res.ratio_q3:.2f}",
-            f"{res.ratio_best:.3f}", f"<={res.target:.2f}", f"{res.rows_per_step:.0f}", verdict,
-        )
+        cells = [res.workload, res.label, f"{res.plain_ms:.2f}", f"{res.watched_ms:.2f}",
+                 f"{res.ratio:.3f}", f"{res.ratio_q1:.2f}-{res.ratio_q3:.2f}",
+                 f"{res.ratio_best:.3f}", f"<={res.target:.2f}", f"{res.rows_per_step:.0f}"]
+        if compiled:
+            cells += [f"{res.graph_breaks_plain}/{res.graph_breaks_watched}",
+                      f"{res.graphs_plain}/{res.graphs_watched}"]
+        table.add_row(*cells, verdict)
     return table
 
 
@@ -578,12 +749,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed rounds per config before the timed ones")
     parser.add_argument("--workloads", default=None,
-                        help=f"comma-separated, from {','.join(WORKLOADS)} (default: all; "
-                             "with --profile: mlp)")
+                        help=f"comma-separated, from {','.join(WORKLOADS)} (default: "
+                             f"{','.join(DEFAULT_WORKLOADS)}; with --profile: mlp; gpt2 "
+                             "needs transformers)")
     parser.add_argument("--configs", default="a,b",
                         help="comma-separated, from a,b,c (c: b recording every 10th step)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    parser.add_argument("--json", type=Path, default=None,
+                        help=f"where to write results (default: {DEFAULT_JSON.name}, with "
+                             f"--compile {COMPILED_JSON.name}, in {DEFAULT_JSON.parent})")
+    parser.add_argument("--compile", action="store_true",
+                        help="run both sides under torch.compile and count graph breaks")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (default: torch's own choice); 1 keeps a "
+                             "shared, busy machine from thrashing")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, cProfile one workload under the last of "
                              "--configs (default: b)")
@@ -593,12 +772,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rounds < 1 or args.steps_per_round < 1 or args.warmup < 0:
         parser.error("--rounds and --steps-per-round must be >= 1, --warmup >= 0")
     names = args.workloads.split(",") if args.workloads else (
-        ["mlp"] if args.profile else list(WORKLOADS))
+        ["mlp"] if args.profile else list(DEFAULT_WORKLOADS))
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown!r}; choose from {', '.join(WORKLOADS)}")
     if args.profile and len(names) != 1:
         parser.error("--profile takes exactly one workload, e.g. --workloads transformer")
+    if args.profile and args.compile:
+        parser.error("--profile profiles eager steps; leave out --compile")
+    if args.compile and args.warmup < 1:
+        parser.error("--compile needs --warmup >= 1: the first round compiles")
+    if args.json is None:
+        args.json = COMPILED_JSON if args.compile else DEFAULT_JSON
     args.workload_names = names
     keys = args.configs.split(",")
     args.config_list = [c for c in CONFIGS if c.key in keys]
@@ -617,6 +802,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 (missing a target is reported, not an error).
     """
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     # Redirected output would otherwise wrap the table at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 132)
     device = torch.device(args.device)
@@ -635,8 +822,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
     for name in args.workload_names:
         results += benchmark_workload(name, args.config_list, args.rounds, args.steps_per_round,
-                                      args.warmup, device, console)
-    title = (f"graddebug overhead, torch {env['torch']} on {device} "
+                                      args.warmup, device, console, args.compile)
+    title = (f"graddebug overhead{' under torch.compile' if args.compile else ''}, "
+             f"torch {env['torch']} on {device} "
              f"({env['torch_threads']} threads), median of {args.rounds} rounds x "
              f"{args.steps_per_round} steps")
     console.print(results_table(results, title))
@@ -647,6 +835,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workloads": args.workload_names,
         "configs": [c.key for c in args.config_list],
         "device": str(device),
+        "compile": args.compile,
+        "census_steps": CENSUS_STEPS if args.compile else 0,
     }
     write_json(args.json, results, settings)
     console.print(f"results: {args.json}")

@@ -21,6 +21,16 @@ from graddebug.capture.layers import (
 )
 from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind
+from graddebug_torch.compiled import (
+    NEEDS_GRAD,
+    SEVERED,
+    UNJUDGED,
+    UNJUDGED_WARNING,
+    Ran,
+    run_eagerly,
+    trace_forward,
+    tracing,
+)
 from graddebug_torch.guards import (
     FUNCTORCH_WARNING,
     ModuleOwners,
@@ -29,6 +39,7 @@ from graddebug_torch.guards import (
 )
 from graddebug_torch.outputs import (
     CHANNELS_FIRST,
+    SEVERED_DETAIL,
     any_requires_grad,
     fits,
     flatten,
@@ -290,6 +301,10 @@ class TorchAdapter(BaseAdapter):
 
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
         """Hook ``tensor`` so that its gradient is recorded (and altered) under ``name``."""
+        if tracing():
+            # Dynamo cannot trace a tap's bookkeeping into a graph: the tap runs eagerly, at
+            # the cost of one graph break, and records as in eager mode.
+            return run_eagerly(self.tap, tensor, name, intervention)
         if not isinstance(tensor, Tensor):
             raise ConfigError(
                 f"tap({type(tensor).__name__}, {name!r}): the torch adapter taps torch.Tensor "
@@ -349,8 +364,35 @@ class TorchAdapter(BaseAdapter):
         self._ctx.warn_once("functorch", FUNCTORCH_WARNING)
 
     def _on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
-        flow = self._flows.finished(module)
+        if tracing():
+            # Dynamo is tracing this hook into a compiled graph, whose operators call back
+            # here (args is then a Ran) and _on_grad when it runs: see graddebug_torch.compiled.
+            if torch.is_grad_enabled():
+                trace_forward(layer, module, args, output, _finiteness)
+            return
         ctx = self._ctx
+        if isinstance(args, Ran):  # a compiled forward, calling back as it runs
+            if ctx.recording:
+                with self._fail_open(layer.name):
+                    if layer.depth < 0:
+                        layer.depth = self._take_depth()
+                    state = self._state
+                    for tname, check, flag in zip(args.names, args.checks, args.flags,
+                                                  strict=True):
+                        key = (layer.name, tname)
+                        if check is not None:
+                            state.forward_sums.append((key, layer.depth, check))
+                        if flag & NEEDS_GRAD:
+                            state.expected.setdefault(key, layer.depth)
+                        if flag & SEVERED:
+                            state.events.append(Event(
+                                ctx.step_index, layer.name, tname, layer.depth,
+                                EventKind.DETACHED_OUTPUT.value, SEVERED_DETAIL))
+                        if flag & UNJUDGED:
+                            ctx.warn_once("compiled-value-flow",
+                                          UNJUDGED_WARNING.format(layer=layer.name))
+            return
+        flow = self._flows.finished(module)
         if in_functorch_transform():
             self._skip_transformed()
             return
@@ -375,8 +417,7 @@ class TorchAdapter(BaseAdapter):
                 if flow is None or flow.escaped or flow.marked(tensor):
                     self._state.events.append(
                         Event(ctx.step_index, layer.name, tname, layer.depth,
-                              EventKind.DETACHED_OUTPUT.value,
-                              "its input requires a gradient but its output does not")
+                              EventKind.DETACHED_OUTPUT.value, SEVERED_DETAIL)
                     )
 
     def _watch_tensor(self, layer: LayerSpec, tname: str, tensor: Tensor) -> None:
@@ -412,6 +453,10 @@ class TorchAdapter(BaseAdapter):
         new = None
         if spec is not None and spec.active:
             new = self._intervene(spec, layer.name, grad)
+        if not self._ctx.recording:
+            # Only a compiled graph calls this on a step that every= skips: its operators run
+            # on every step, where eager hooks are set on recorded steps alone.
+            return new
         with self._fail_open(layer.name):
             self._record_grad(layer, tname, grad, new)
         return new

@@ -1,5 +1,6 @@
 """What the torch adapter refuses or skips: modules another live Watcher hooks already, tensors
-inside ``torch.func`` transforms, and masks on the ``meta`` device."""
+inside ``torch.func`` transforms, and masks on the ``meta`` device. Also which module a live
+Watcher hooks under a given ``id``, for the operators of compiled graphs."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from torch import Tensor, nn
 from graddebug.capture.layers import Intervention
 from graddebug.errors import ConfigError, WatcherStateError
 
-__all__ = ["FUNCTORCH_WARNING", "ModuleOwners", "check_mask_device", "in_functorch_transform"]
+__all__ = ["FUNCTORCH_WARNING", "ModuleOwners", "check_mask_device", "hooked_module",
+           "in_functorch_transform"]
 
 # Every module hooked by a live Watcher, with the id of its ModuleOwners and the watched model's
 # class. Process-wide on purpose: two Watchers know nothing of each other otherwise. Weak keys:
 # a module that is garbage-collected leaves no entry behind.
 _HOOKED: weakref.WeakKeyDictionary[nn.Module, tuple[int, str]] = weakref.WeakKeyDictionary()
+# The same modules by id: a compiled graph names a module by its id (graddebug_torch.compiled).
+_BY_ID: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 
 
 class ModuleOwners:
@@ -48,6 +52,7 @@ class ModuleOwners:
                     "once, or leave the shared module out of one Watcher with layers=."
                 )
             _HOOKED[module] = (id(self), owner)
+            _BY_ID[id(module)] = module
             self._claimed.append(module)
 
     def release(self) -> None:
@@ -56,12 +61,24 @@ class ModuleOwners:
             held = _HOOKED.get(module)
             if held is not None and held[0] == id(self):
                 del _HOOKED[module]
+                _BY_ID.pop(id(module), None)
         self._claimed.clear()
+
+
+def hooked_module(token: int) -> nn.Module | None:
+    """The module of ``id`` ``token`` if a live Watcher hooks it, else None."""
+    return _BY_ID.get(token)
 
 
 def in_functorch_transform() -> bool:
     """Whether a ``torch.func`` transform (grad, vmap, jacrev, ...) is running: tensors inside
-    it are functorch wrappers, on which tensor hooks crash or see the wrong gradient."""
+    it are functorch wrappers, on which tensor hooks crash or see the wrong gradient.
+
+    False while dynamo traces (``torch.compile``): the interpreter stack it shows then is that
+    of its own tracing, not a transform of the user's.
+    """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 

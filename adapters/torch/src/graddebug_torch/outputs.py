@@ -9,7 +9,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["CHANNELS_FIRST", "any_requires_grad", "fits", "flatten", "owns_params", "unit_dim"]
+__all__ = ["CHANNELS_FIRST", "SEVERED_DETAIL", "any_requires_grad", "fits", "flatten",
+           "owns_params", "unit_dim"]
+
+SEVERED_DETAIL = "its input requires a gradient but its output does not"
+"""What a module did when its output needs no gradient although one of its inputs does."""
 
 # Modules whose 3-D outputs are (batch, channels, length); other 3-D outputs are
 # (batch, sequence, features) and their units lie on the last axis.
