@@ -6,6 +6,10 @@ interventions and writes the gradient's statistics into TF state (:mod:`.buffers
 code records in eager mode, inside a ``tf.function`` and inside ``model.fit``. Parameter
 gradients are those handed to ``Watcher.step(grads)``, or those the optimizer applies. Closing a
 step reads every buffer with one transfer and clears it.
+
+Under a ``tf.distribute`` strategy of several replicas (:mod:`.replicas`), each replica records
+its layer outputs into its own copy of the buffers, and its rows carry its index in ``rank``;
+parameter rows are those of the all-reduced gradients, recorded once.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContext, WatchOptions
 from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError
-from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
+from graddebug_tensorflow.buffers import StateBuffers
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.outputs import (
     Slot,
@@ -37,6 +41,7 @@ from graddebug_tensorflow.outputs import (
 )
 from graddebug_tensorflow.params import Param, ParamSet
 from graddebug_tensorflow.records import handed_over, param_records, step_records
+from graddebug_tensorflow.replicas import replica_index, strategy_of
 from graddebug_tensorflow.stats import (
     Col,
     compiled,
@@ -65,6 +70,12 @@ _NO_PARAM_GRADS = (
     "the variables, so parameter rows need dbg.step(tape.gradient(loss, "
     "model.trainable_variables)) or watch(model, optimizer=opt). Only layer outputs and taps "
     "are recorded until then."
+)
+
+_UNSEEN_STRATEGY = (
+    "graddebug: the model runs under a {name} of {count} replicas that graddebug did not see "
+    "on entering watch(): only replica 0 is recorded. Build the model under "
+    "strategy.scope(), or enter watch() inside it."
 )
 
 
@@ -107,15 +118,16 @@ class TensorFlowAdapter(BaseAdapter):
                 )
         super().__init__(context, options)
         self._model = model
-        self._buffers = StateBuffers()
+        self._strategy = strategy_of(model, (params or {}).values())
+        self._buffers = StateBuffers(self._strategy)
         self._index = LayerIndex(model) if model is not None else None
         self._targets: dict[str, Any] = {}  # layer name -> keras layer
         self._slots: dict[tuple[str, str, int], Slot] = {}
-        self._graph_calls: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], int]] = (
+        self._graph_calls: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, int], int]] = (
             weakref.WeakKeyDictionary()
         )
         self._patches: list[_Patch] = []
-        self._eager_calls: dict[tuple[str, str], int] = {}
+        self._eager_calls: dict[tuple[str, str, int], int] = {}
         self._recording_var: tf.Variable | None = None
         self._scaler: Any = None  # a LossScaleOptimizer whose scale layer gradients carry
         if self._index is not None:
@@ -175,7 +187,9 @@ class TensorFlowAdapter(BaseAdapter):
 
     def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None = None) -> None:
         """Take parameter gradients from ``optimizer.apply`` (the inner optimizer of a
-        ``LossScaleOptimizer``, whose gradients are already unscaled).
+        ``LossScaleOptimizer``, whose gradients are already unscaled). Under a strategy of
+        several replicas, the gradients are all-reduced as the optimizer does before they are
+        measured.
 
         ``on_step`` is not called: an optimizer step inside a compiled ``tf.function`` cannot
         call back into Python each step, so ``dbg.step()`` (or ``dbg.callback()``) closes the
@@ -210,8 +224,8 @@ class TensorFlowAdapter(BaseAdapter):
 
     def has_pending(self) -> bool:
         """Whether a gradient was recorded since the last step closed."""
-        acts, params = self._buffers.peek()
-        return bool((acts[:, Col.BWD] > 0).any() or (params[:, 0] > 0).any())
+        rows = self._buffers.peek()
+        return bool((rows.acts[..., Col.BWD] > 0).any() or (rows.params[:, 0] > 0).any())
 
     def _model_layer_names(self) -> list[str]:
         return list(self._index.named) if self._index is not None else []
@@ -236,6 +250,15 @@ class TensorFlowAdapter(BaseAdapter):
                 [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
             )
         return list(grads)
+
+    def distribution(self) -> Distribution:
+        """One process; under a ``tf.distribute`` strategy, its replicas in sync and the
+        strategy's class name (each row carries its replica's index itself)."""
+        strategy = self._strategy
+        if strategy is None:
+            return Distribution()
+        return Distribution(rank=0, world_size=int(strategy.num_replicas_in_sync),
+                            backend=type(strategy).__name__)
 
     def callback(self, **options: Any) -> Any:
         """A Keras callback for ``model.fit`` that closes a step after each batch."""
@@ -313,9 +336,9 @@ class TensorFlowAdapter(BaseAdapter):
             return tensor
         slot = self._slot(layer, tname, eager) if record else None
         if slot is not None and eager:
-            _write_forward(slot.var, slot.row_tensor, tensor)
+            _write_forward(self._buffers.local(slot.var), slot.row_tensor, tensor)
         elif slot is not None:
-            write_forward(slot.var, slot.row, tensor)
+            write_forward(self._buffers.local(slot.var), slot.row, tensor)
         axis = unit_axis(tensor.shape.rank, layer.channels_first)
 
         @tf.custom_gradient
@@ -334,23 +357,49 @@ class TensorFlowAdapter(BaseAdapter):
             watched._keras_logits = identity(logits)
         return watched
 
-    def _slot(self, layer: LayerSpec, tname: str, eager: bool) -> Slot:
+    def _slot(self, layer: LayerSpec, tname: str, eager: bool) -> Slot | None:
+        """The row of this call of ``layer``'s output ``tname``: calls are counted per graph
+        (or eagerly per step) and per replica, and the replicas share rows, each writing its
+        own copy. None for a replica that records nothing (see :meth:`_replica`)."""
+        replica = self._replica(eager)
+        if replica is None:
+            return None
         if eager:
             calls = self._eager_calls
         else:
             calls = self._graph_calls.setdefault(tf.compat.v1.get_default_graph(), {})
-        ordinal = calls.get((layer.name, tname), 0)
-        calls[(layer.name, tname)] = ordinal + 1
+        ordinal = calls.get((layer.name, tname, replica), 0)
+        calls[(layer.name, tname, replica)] = ordinal + 1
         key = (layer.name, tname, ordinal)
         slot = self._slots.get(key)
         if slot is None:
             var, row, index = self._buffers.new_row()
             with tf.init_scope():
                 slot = Slot(layer, tname, ordinal, var, row, index, tf.constant(row))
-                if layer.keep:
-                    slot.keep_var = shapeless_variable(f"graddebug_keep_{len(self._slots)}")
+                if layer.keep:  # replica 0 keeps gradients: a plain variable of its own
+                    slot.keep_var = self._buffers.copy(self._buffers.variable(
+                        tf.zeros([0]), f"graddebug_keep_{len(self._slots)}", any_shape=True), 0)
             self._slots[key] = slot
         return slot
+
+    def _replica(self, eager: bool) -> int | None:
+        """The index of the running replica; None for a replica of a strategy the buffers
+        were not made for, which would overwrite replica 0's rows: it records nothing.
+
+        Without a strategy this costs nothing in eager mode, and one check per trace in a
+        graph.
+        """
+        if self._buffers.replicas > 1:
+            return replica_index()
+        if eager or not tf.distribute.has_strategy():
+            return 0
+        strategy = tf.distribute.get_strategy()
+        count = int(strategy.num_replicas_in_sync)
+        if count == 1:
+            return 0
+        self._ctx.warn_once("unseen-strategy", _UNSEEN_STRATEGY.format(
+            name=type(strategy).__name__, count=count))
+        return 0 if replica_index() == 0 else None
 
     def _on_grad(
         self,
@@ -370,11 +419,13 @@ class TensorFlowAdapter(BaseAdapter):
 
             def write() -> tf.Tensor:
                 scale = None if self._scaler is None else _current_scale(self._scaler)
+                var = self._buffers.local(slot.var)
                 if tf.executing_eagerly():
-                    _write_activation(slot.var, slot.row_tensor, new, pre, unit_axis, scale)
+                    _write_activation(var, slot.row_tensor, new, pre, unit_axis, scale)
                 else:
-                    write_activation(slot.var, slot.row, new, pre, unit_axis, scale)
-                if slot.keep_var is not None:
+                    write_activation(var, slot.row, new, pre, unit_axis, scale)
+                if slot.keep_var is not None and (
+                        self._buffers.replicas == 1 or replica_index() == 0):
                     slot.keep_var.assign(new)
                 return tf.constant(True)
 
@@ -394,7 +445,8 @@ class TensorFlowAdapter(BaseAdapter):
         if tf.executing_eagerly() and not self._ctx.recording:
             return
         with self._fail_open("optimizer"):
-            self._when_recording(lambda: self._params.write_applied(grads, variables))
+            pairs = _all_reduced(self._params.applied(grads, variables))
+            self._when_recording(lambda: self._params.write_applied(pairs))
 
     # -- closing a step -----------------------------------------------------------------
 
@@ -406,14 +458,18 @@ class TensorFlowAdapter(BaseAdapter):
             if not record:
                 self._buffers.clear()
                 return StepResult()
-            acts, rows = self._buffers.read_and_clear()
-            result = step_records(step, list(self._slots.values()), acts)
+            rows = self._buffers.read_and_clear()
+            result = StepResult()
+            slots = list(self._slots.values())
+            for replica, acts in enumerate(rows.acts):
+                step_records(step, slots, acts, result, replica)
             params = self._params.resolve()
             # A backward reached the layers, yet no parameter gradient was handed over.
             if (result.records and grads is None and params
-                    and not handed_over(rows, len(params))):
+                    and not handed_over(rows.params, len(params))):
                 self._ctx.warn_once("no-param-grads", _NO_PARAM_GRADS)
-            param_records(step, params, rows, result, grads is not None, self._param_depth)
+            param_records(step, params, rows.params, result, grads is not None,
+                          self._param_depth)
             return result
         finally:
             self._eager_calls.clear()
@@ -431,3 +487,19 @@ _write_activation = compiled(write_activation)
 def _current_scale(scaler: Any) -> Any:
     """The loss scale in use, as ``LossScaleOptimizer.scale_loss`` reads it."""
     return scaler.dynamic_scale if scaler.built else scaler.initial_scale
+
+
+def _all_reduced(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """``(row, gradient)`` pairs with the gradients summed over the replicas in sync, as a
+    Keras optimizer sums them before it applies them; unchanged outside a replica function
+    of several replicas.
+
+    Every replica calls this, outside any ``tf.cond``: a cross-replica sum inside one
+    cannot synchronise the replicas.
+    """
+    context = tf.distribute.get_replica_context()
+    present = [(i, g) for i, g in pairs if g is not None]
+    if context is None or context.num_replicas_in_sync == 1 or not present:
+        return pairs
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [g for _, g in present])
+    return [(i, g) for (i, _), g in zip(present, summed, strict=True)]

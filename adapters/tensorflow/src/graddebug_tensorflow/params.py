@@ -11,8 +11,9 @@ import numpy as np
 import tensorflow as tf
 
 from graddebug.errors import ConfigError, GradientCountError
-from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
+from graddebug_tensorflow.buffers import StateBuffers
 from graddebug_tensorflow.model import LayerIndex
+from graddebug_tensorflow.replicas import replica_index
 from graddebug_tensorflow.stats import PARAM_WIDTH, compiled, param_row
 
 __all__ = ["UNMEASURED", "Param", "ParamSet"]
@@ -54,6 +55,12 @@ def _check_given(position: int, grad: Any, var: Any, what: str) -> None:
         return
     name = getattr(var, "path", None) or getattr(var, "name", "?")
     where = f"step() gradient #{position} (for variable {name!r})"
+    if isinstance(grad, tf.distribute.DistributedValues):
+        raise GradientCountError(
+            f"{where} is a {type(grad).__name__}, one gradient per replica of a tf.distribute "
+            "strategy; graddebug measures the gradients the replicas sum: pass the optimizer "
+            "as watch(model, optimizer=opt) and close each step with dbg.step()."
+        )
     if isinstance(grad, tf.IndexedSlices):  # sparse (an embedding): its dense shape counts
         shape, dtype = grad.dense_shape, grad.values.dtype
         static = tf.get_static_value(shape)
@@ -133,18 +140,25 @@ class ParamSet:
             with tf.init_scope():
                 for p in params:
                     if p.keep:
-                        p.keep_var = shapeless_variable(f"graddebug_keep_{p.layer}_{p.tensor}")
+                        # Replica 0 writes parameter rows and copies (see _store).
+                        p.keep_var = self._buffers.copy(self._buffers.variable(
+                            tf.zeros([0]), f"graddebug_keep_{p.layer}_{p.tensor}",
+                            any_shape=True), 0)
             self._buffers.ensure_params(len(params))
         self.aligned = aligned
         self._positions = {id(p.var): i for i, p in enumerate(params)}
         self._params = params
         return params
 
-    def write_applied(self, grads: Sequence[Any], variables: Sequence[Any]) -> tf.Tensor:
-        """Write the rows of gradients an optimizer applies (eagerly or while tracing)."""
+    def applied(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[tuple[int, Any]]:
+        """``(row, gradient)`` of the watched variables among those an optimizer applies."""
         self.resolve()
-        pairs = [(self._positions[id(v)], g) for g, v in zip(grads, variables, strict=False)
-                 if id(v) in self._positions]
+        return [(self._positions[id(v)], g) for g, v in zip(grads, variables, strict=False)
+                if id(v) in self._positions]
+
+    def write_applied(self, pairs: list[tuple[int, Any]]) -> tf.Tensor:
+        """Write the rows of gradients an optimizer applies (eagerly or while tracing), given
+        as ``(row, gradient)`` pairs by :meth:`applied`."""
         return self._store(pairs)
 
     def write_given(self, grads: Sequence[Any]) -> None:
@@ -170,6 +184,11 @@ class ParamSet:
         buffer = self._buffers.params
         if buffer is None or self._params is None:
             return tf.constant(False)
+        if self._buffers.replicas > 1:
+            # Every replica holds the same all-reduced gradients: replica 0 measures them.
+            if replica_index() != 0:
+                return tf.constant(False)
+            buffer = self._buffers.copy(buffer, 0)
         params = self._params
         present = [(i, g) for i, g in pairs if g is not None]
         unread: list[int] = []
