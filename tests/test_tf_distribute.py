@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 
-pytestmark = pytest.mark.slow  # one child process that imports TF and trains five times
+pytestmark = pytest.mark.slow  # one child process that runs a dozen scenarios: about 20 s
 
 SCRIPT = Path(__file__).with_name("tf_distribute_scenarios.py")
 LOOPS = ("loop", "loop_eager")
@@ -166,6 +166,21 @@ def test_per_replica_gradients_handed_to_step_are_refused(results):
     error = results["per_replica_grads"]
     assert error.startswith("GradientCountError: step() gradient #0")
     assert "PerReplica" in error and "optimizer=opt" in error
+
+
+def test_mixed_precision_under_the_strategy(results):
+    run = results["mirrored_amp"]
+    assert run["optimizer"] == "LossScaleOptimizer"
+    step0 = [r for r in run["frame"] if r["step"] == 0]
+    single = [r for r in results["single_fit"]["frame"] if r["step"] == 0]
+    # Unscaled: one float32 replica's gradients, to half precision (the scale is 2**15).
+    assert norms(step0, "parameter") == pytest.approx(norms(single, "parameter"), rel=2e-2)
+    for layer, (_, first, second) in results["reference"]["activation"].items():
+        acts = select(step0, "activation")
+        assert acts[(0, layer, "output", 0)]["norm"] == pytest.approx(first, rel=2e-2)
+        assert acts[(0, layer, "output", 1)]["norm"] == pytest.approx(second, rel=2e-2)
+    assert run["events"] == [[1, "skipped_step", f"scale={2.0**40!r}"]]
+    assert {r["step"] for r in run["frame"]} == {0, 1}
 
 
 def test_the_distribution_is_the_strategy_and_its_replicas(results):

@@ -132,6 +132,29 @@ def mirrored_every(strategy: Any, weights: list[np.ndarray], x: np.ndarray,
                            for k, v in kept.items()}}
 
 
+class ForceOverflow(keras.callbacks.Callback):
+    """Sets the loss scale so high for batch 1 that its float16 gradients overflow."""
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if batch == 1:
+            self.model.optimizer.dynamic_scale.assign(2.0**40)
+
+
+def mirrored_amp(strategy: Any, weights: list[np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> dict[str, Any]:
+    """Mixed precision (a LossScaleOptimizer) under the strategy; batch 1 overflows."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = mirrored_model(strategy, weights)
+        with graddebug.watch(model) as dbg:
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                      callbacks=[ForceOverflow(), dbg.callback()])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return {**recorded(dbg), "optimizer": type(model.optimizer).__name__,
+            "events": dbg.events()[["step", "event", "detail"]].values.tolist()}
+
+
 def mirrored_loop(strategy: Any, weights: list[np.ndarray], x: np.ndarray, y: np.ndarray,
                   *, local_mean: bool, compiled: bool) -> dict[str, Any]:
     """A custom loop with ``strategy.run``: the loss is the mean over the global batch
@@ -244,6 +267,7 @@ def main(out: str) -> None:
         "single_fit": single_fit(weights, x, y),
         "mirrored_fit": mirrored_fit(strategy, weights, x, y),
         "mirrored_every": mirrored_every(strategy, weights, x, y),
+        "mirrored_amp": mirrored_amp(strategy, weights, x, y),
         "unwatched_weights": [w.tolist() for w in unwatched.get_weights()],
         "loop": mirrored_loop(strategy, weights, x, y, local_mean=False, compiled=True),
         "loop_local_mean": mirrored_loop(strategy, weights, x, y, local_mean=True,

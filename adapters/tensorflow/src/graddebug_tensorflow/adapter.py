@@ -9,7 +9,9 @@ step reads every buffer with one transfer and clears it.
 
 Under a ``tf.distribute`` strategy of several replicas (:mod:`.replicas`), each replica records
 its layer outputs into its own copy of the buffers, and its rows carry its index in ``rank``;
-parameter rows are those of the all-reduced gradients, recorded once.
+parameter rows are those of the all-reduced gradients, recorded once. Under loss scaling
+(:mod:`.scaling`) the scale is divided out of every statistic, and the steps a
+``LossScaleOptimizer`` skips are marked.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import tensorflow as tf
 from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContext, WatchOptions
 from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError
-from graddebug_tensorflow.buffers import StateBuffers
+from graddebug_tensorflow.buffers import ScalerCol, StateBuffers
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.outputs import (
     Slot,
@@ -40,8 +42,9 @@ from graddebug_tensorflow.outputs import (
     unit_axis,
 )
 from graddebug_tensorflow.params import Param, ParamSet
-from graddebug_tensorflow.records import handed_over, param_records, step_records
+from graddebug_tensorflow.records import handed_over, param_records, skipped_step, step_records
 from graddebug_tensorflow.replicas import replica_index, strategy_of
+from graddebug_tensorflow.scaling import LossScale, note_step
 from graddebug_tensorflow.stats import (
     Col,
     compiled,
@@ -129,7 +132,7 @@ class TensorFlowAdapter(BaseAdapter):
         self._patches: list[_Patch] = []
         self._eager_calls: dict[tuple[str, str, int], int] = {}
         self._recording_var: tf.Variable | None = None
-        self._scaler: Any = None  # a LossScaleOptimizer whose scale layer gradients carry
+        self._scale: LossScale | None = None  # the loss scaling of the bound optimizer
         if self._index is not None:
             self._targets = self._add_layers(
                 self._index.named, self._index.select(options.layers),
@@ -143,6 +146,12 @@ class TensorFlowAdapter(BaseAdapter):
             name for name, target in self._targets.items()
             if isinstance(target, keras.layers.BatchNormalization) and options.layers is None
             and not self._layers[name].keep and self._layers[name].intervention is None}
+        scaler = options.scaler
+        if scaler is not None and not getattr(LossScale.of(scaler), "dynamic", False):
+            raise ConfigError(
+                f"scaler={scaler!r} is not a loss scaler of Keras: there the scaler is the "
+                "keras.optimizers.LossScaleOptimizer itself; pass it as scaler= or optimizer=."
+            )
         self._add_param_keys(params or {})
         self._params = ParamSet(
             self._buffers, self._index, params or {},
@@ -162,6 +171,8 @@ class TensorFlowAdapter(BaseAdapter):
         self._params.resolve()
         for name, target in self._targets.items():
             self._patch(target, "call", self._wrap_call(self._layers[name], target.call))
+        if self._options.scaler is not None:
+            self.bind_optimizer(self._options.scaler)
         if self._model is not None:
             self._reset_compiled()
 
@@ -186,10 +197,13 @@ class TensorFlowAdapter(BaseAdapter):
                 setattr(self._model, attr, None)
 
     def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None = None) -> None:
-        """Take parameter gradients from ``optimizer.apply`` (the inner optimizer of a
-        ``LossScaleOptimizer``, whose gradients are already unscaled). Under a strategy of
-        several replicas, the gradients are all-reduced as the optimizer does before they are
-        measured.
+        """Take parameter gradients from ``optimizer.apply``.
+
+        Under loss scaling (a ``LossScaleOptimizer``, or ``loss_scale_factor``) the gradients
+        handed to ``apply`` carry the scale: it is divided out of their statistics and of the
+        layer outputs', and a ``LossScaleOptimizer``'s skipped steps are marked. Under a
+        strategy of several replicas, the gradients are all-reduced as the optimizer does
+        before they are measured.
 
         ``on_step`` is not called: an optimizer step inside a compiled ``tf.function`` cannot
         call back into Python each step, so ``dbg.step()`` (or ``dbg.callback()``) closes the
@@ -198,16 +212,16 @@ class TensorFlowAdapter(BaseAdapter):
         Raises:
             ConfigError: ``optimizer`` has no ``apply`` method.
         """
-        target = getattr(optimizer, "inner_optimizer", None) or optimizer
-        if target is not optimizer and hasattr(optimizer, "initial_scale"):
-            self._scaler = optimizer
-        if any(p.obj is target and p.attr == "apply" for p in self._patches):
+        if any(p.obj is optimizer and p.attr == "apply" for p in self._patches):
             return
-        if not callable(getattr(target, "apply", None)):
+        if not callable(getattr(optimizer, "apply", None)):
             raise ConfigError(
                 f"optimizer={optimizer!r} is not a Keras optimizer (it has no apply method)."
             )
-        original = target.apply
+        scale = self._scale = LossScale.of(optimizer)
+        if scale is not None and scale.dynamic:
+            self._buffers.ensure_scaler()
+        original = optimizer.apply
 
         @functools.wraps(original)
         def apply(grads: Any, trainable_variables: Any = None) -> Any:
@@ -215,12 +229,15 @@ class TensorFlowAdapter(BaseAdapter):
             variables = (
                 list(trainable_variables)
                 if trainable_variables is not None
-                else list(getattr(target, "_trainable_variables", []))
+                else list(getattr(optimizer, "_trainable_variables", []))
             )
-            self._on_apply(grads, variables)
-            return original(grads, trainable_variables)
+            before = self._on_apply(grads, variables)
+            result = original(grads, trainable_variables)
+            if before is not None:
+                self._on_scaled_step(before)
+            return result
 
-        self._patch(target, "apply", apply)
+        self._patch(optimizer, "apply", apply)
 
     def has_pending(self) -> bool:
         """Whether a gradient was recorded since the last step closed."""
@@ -418,7 +435,7 @@ class TensorFlowAdapter(BaseAdapter):
             pre = dy if new is not dy else None
 
             def write() -> tf.Tensor:
-                scale = None if self._scaler is None else _current_scale(self._scaler)
+                scale = None if self._scale is None else self._scale.current()
                 var = self._buffers.local(slot.var)
                 if tf.executing_eagerly():
                     _write_activation(var, slot.row_tensor, new, pre, unit_axis, scale)
@@ -441,20 +458,60 @@ class TensorFlowAdapter(BaseAdapter):
 
     # -- parameter gradients ------------------------------------------------------------
 
-    def _on_apply(self, grads: list[Any], variables: list[Any]) -> None:
+    def _on_apply(self, grads: list[Any], variables: list[Any]) -> Any:
+        """Record the gradients an optimizer applies (divided by the loss scale they carry).
+
+        Returns:
+            The loss scale of their backward pass, read before the optimizer changes it,
+            where a ``LossScaleOptimizer`` may skip the step; else None.
+        """
         if tf.executing_eagerly() and not self._ctx.recording:
+            return None
+        with self._fail_open("optimizer"):
+            scale = None if self._scale is None else self._scale.current()
+            pairs = _all_reduced(self._params.applied(grads, variables))
+            self._when_recording(lambda: self._params.write_applied(pairs, scale))
+            return scale if self._scale is not None and self._scale.dynamic else None
+        return None
+
+    def _on_scaled_step(self, before: Any) -> None:
+        """After a ``LossScaleOptimizer``'s apply: note whether it skipped the step."""
+        scale, row = self._scale, self._buffers.scaler
+        if scale is None or row is None:
             return
         with self._fail_open("optimizer"):
-            pairs = _all_reduced(self._params.applied(grads, variables))
-            self._when_recording(lambda: self._params.write_applied(pairs))
+            if self._buffers.replicas > 1:
+                if replica_index() != 0:
+                    return
+                row = self._buffers.copy(row, 0)
+            after = scale.current()
+            target = row
+
+            def write() -> tf.Tensor:
+                note_step(target, before, after)
+                return tf.constant(True)
+
+            self._when_recording(write)
+
+    def _given_scale(self) -> Any:
+        """The loss scale that gradients handed to ``step(grads)`` carry: that of the last
+        ``apply`` in the step, else the one in use now; None without loss scaling."""
+        scale, row = self._scale, self._buffers.scaler
+        if scale is None:
+            return None
+        now = tf.cast(scale.current(), tf.float64)
+        if row is None:
+            return now
+        row = self._buffers.copy(row, 0)
+        return tf.where(row[ScalerCol.APPLIED] > 0, row[ScalerCol.SCALE], now)
 
     # -- closing a step -----------------------------------------------------------------
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Read and clear the buffers (one transfer) and turn them into records."""
         try:
-            if grads is not None:
-                self._params.write_given(list(grads))  # checks the count on every step
+            if grads is not None:  # checks the count on every step
+                self._params.write_given(list(grads), self._given_scale())
             if not record:
                 self._buffers.clear()
                 return StepResult()
@@ -470,6 +527,9 @@ class TensorFlowAdapter(BaseAdapter):
                 self._ctx.warn_once("no-param-grads", _NO_PARAM_GRADS)
             param_records(step, params, rows.params, result, grads is not None,
                           self._param_depth)
+            skipped = skipped_step(step, rows.scaler)
+            if skipped is not None:
+                result.events.append(skipped)
             return result
         finally:
             self._eager_calls.clear()
@@ -482,11 +542,6 @@ class TensorFlowAdapter(BaseAdapter):
 
 _write_forward = compiled(write_forward)
 _write_activation = compiled(write_activation)
-
-
-def _current_scale(scaler: Any) -> Any:
-    """The loss scale in use, as ``LossScaleOptimizer.scale_loss`` reads it."""
-    return scaler.dynamic_scale if scaler.built else scaler.initial_scale
 
 
 def _all_reduced(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:

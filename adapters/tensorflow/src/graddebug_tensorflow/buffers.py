@@ -10,6 +10,7 @@ buffers.
 Under a ``tf.distribute`` strategy of several replicas, every buffer is a variable with one
 copy per replica (``synchronization=ON_READ``, no aggregation): each replica writes its own
 copy (:meth:`StateBuffers.local`), and closing a step reads them all, still in one transfer.
+A loss-scaling optimizer adds one small row (:class:`ScalerCol`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,21 @@ import tensorflow as tf
 from graddebug_tensorflow.replicas import replica_index
 from graddebug_tensorflow.stats import ACT_WIDTH, PARAM_WIDTH
 
-__all__ = ["CHUNK", "Rows", "StateBuffers"]
+__all__ = ["CHUNK", "SCALER_WIDTH", "Rows", "ScalerCol", "StateBuffers"]
 
 CHUNK = 64
+
+
+class ScalerCol:
+    """Columns of the loss scaler's row."""
+
+    APPLIED = 0  # 1 once the optimizer applied (or skipped) gradients in the step
+    SKIPPED = 1  # 1 when it skipped a step: the scaled gradients overflowed
+    SKIPPED_SCALE = 2  # the loss scale of the backward pass whose step was skipped
+    SCALE = 3  # the loss scale of the backward pass of the last apply
+
+
+SCALER_WIDTH = 4
 
 
 class Rows(NamedTuple):
@@ -33,10 +46,12 @@ class Rows(NamedTuple):
     Attributes:
         acts: Activation rows, shape ``(replicas, rows, ACT_WIDTH)``.
         params: Parameter rows (replica 0's: the one that writes them), then the source row.
+        scaler: The loss scaler's row (replica 0's), empty without a loss scaler.
     """
 
     acts: np.ndarray
     params: np.ndarray
+    scaler: np.ndarray
 
 
 class StateBuffers:
@@ -54,6 +69,7 @@ class StateBuffers:
         self._chunks: list[tf.Variable] = []
         self._rows = 0
         self.params: tf.Variable | None = None
+        self.scaler: tf.Variable | None = None
 
     @property
     def rows(self) -> int:
@@ -122,13 +138,21 @@ class StateBuffers:
                     tf.zeros([count + 1, PARAM_WIDTH], tf.float64), "graddebug_params")
         return self.params
 
+    def ensure_scaler(self) -> tf.Variable:
+        """Return the loss scaler's row (see :class:`ScalerCol`), created on first use."""
+        if self.scaler is None:
+            with tf.init_scope():
+                self.scaler = self.variable(tf.zeros([SCALER_WIDTH], tf.float64),
+                                            "graddebug_scaler")
+        return self.scaler
+
     def _variables(self) -> list[tf.Variable]:
-        return [*self._chunks, *([self.params] if self.params is not None else [])]
+        return [*self._chunks, *(v for v in (self.params, self.scaler) if v is not None)]
 
     def _read(self) -> Rows:
         variables = self._variables()
         if not variables:
-            return Rows(np.zeros((1, 0, ACT_WIDTH)), np.zeros((0, PARAM_WIDTH)))
+            return Rows(np.zeros((1, 0, ACT_WIDTH)), np.zeros((0, PARAM_WIDTH)), np.zeros(0))
         # One transfer for every buffer of every replica (not one per chunk: a model of
         # thousands of layers has hundreds of chunks).
         flat = tf.concat([tf.reshape(self.copy(v, r), [-1])
@@ -136,7 +160,10 @@ class StateBuffers:
         per_replica = flat.reshape(self.replicas, -1)
         split = len(self._chunks) * CHUNK * ACT_WIDTH
         acts = per_replica[:, :split].reshape(self.replicas, -1, ACT_WIDTH)[:, : self._rows]
-        return Rows(acts, per_replica[0, split:].reshape(-1, PARAM_WIDTH))
+        rest = per_replica[0, split:]
+        scaler = rest[len(rest) - SCALER_WIDTH:] if self.scaler is not None else rest[:0]
+        params = rest[: len(rest) - len(scaler)].reshape(-1, PARAM_WIDTH)
+        return Rows(acts, params, scaler)
 
     def read_and_clear(self) -> Rows:
         """Return the rows of every buffer, and zero them."""

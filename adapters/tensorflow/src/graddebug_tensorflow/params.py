@@ -14,7 +14,7 @@ from graddebug.errors import ConfigError, GradientCountError
 from graddebug_tensorflow.buffers import StateBuffers
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.replicas import replica_index
-from graddebug_tensorflow.stats import PARAM_WIDTH, compiled, param_row
+from graddebug_tensorflow.stats import PARAM_WIDTH, compiled, param_row, unscale_param_rows
 
 __all__ = ["UNMEASURED", "Param", "ParamSet"]
 
@@ -37,9 +37,10 @@ UNMEASURED = 2.0
 """Column 0 of a parameter row whose gradient was present but deliberately not read."""
 
 
-def _param_rows(grads: list[Any], full: bool) -> tf.Tensor:
-    """The rows of a list of gradients."""
-    return tf.stack([param_row(g, full) for g in grads])
+def _param_rows(grads: list[Any], full: bool, scale: Any) -> tf.Tensor:
+    """The rows of a list of gradients, with the loss ``scale`` divided out (None: none)."""
+    rows = tf.stack([param_row(g, full) for g in grads])
+    return rows if scale is None else unscale_param_rows(rows, scale)
 
 
 _rows = compiled(_param_rows)
@@ -156,13 +157,19 @@ class ParamSet:
         return [(self._positions[id(v)], g) for g, v in zip(grads, variables, strict=False)
                 if id(v) in self._positions]
 
-    def write_applied(self, pairs: list[tuple[int, Any]]) -> tf.Tensor:
-        """Write the rows of gradients an optimizer applies (eagerly or while tracing), given
-        as ``(row, gradient)`` pairs by :meth:`applied`."""
-        return self._store(pairs)
+    def write_applied(self, pairs: list[tuple[int, Any]], scale: Any = None) -> tf.Tensor:
+        """Write the rows of gradients an optimizer applies (eagerly or while tracing).
 
-    def write_given(self, grads: Sequence[Any]) -> None:
-        """Write the rows of gradients handed to ``step(grads)``.
+        Args:
+            pairs: ``(row, gradient)`` as :meth:`applied` returns them.
+            scale: The loss scale the gradients carry, divided out of their rows; None for
+                none.
+        """
+        return self._store(pairs, scale)
+
+    def write_given(self, grads: Sequence[Any], scale: Any = None) -> None:
+        """Write the rows of gradients handed to ``step(grads)``, dividing out the loss
+        ``scale`` they carry (None: none).
 
         Raises:
             GradientCountError: ``grads`` does not align with the variables: another count,
@@ -178,9 +185,9 @@ class ParamSet:
             )
         for position, (grad, var) in enumerate(zip(grads, self.aligned, strict=True)):
             _check_given(position, grad, var, what)
-        self._store([(i, grads[p.index]) for i, p in enumerate(params)])
+        self._store([(i, grads[p.index]) for i, p in enumerate(params)], scale)
 
-    def _store(self, pairs: list[tuple[int, Any]]) -> tf.Tensor:
+    def _store(self, pairs: list[tuple[int, Any]], scale: Any) -> tf.Tensor:
         buffer = self._buffers.params
         if buffer is None or self._params is None:
             return tf.constant(False)
@@ -200,7 +207,7 @@ class ParamSet:
             present = [(i, g) for i, g in present if not params[i].graph_unread]
         pad = [0.0] * (PARAM_WIDTH - 1)
         marks = tf.constant([[1.0, *pad]] + [[UNMEASURED, *pad]] * len(unread), tf.float64)
-        rows = tf.concat([_rows([g for _, g in present], self._full), marks], 0) \
+        rows = tf.concat([_rows([g for _, g in present], self._full, scale), marks], 0) \
             if present else marks
         # One op writes the rows and marks the source row, in eager mode and in a graph alike.
         buffer.scatter_nd_update(

@@ -11,6 +11,7 @@ import numpy as np
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import keep_label
 from graddebug.records import Event, EventKind, Kind, Record
+from graddebug_tensorflow.buffers import ScalerCol
 from graddebug_tensorflow.params import UNMEASURED
 from graddebug_tensorflow.stats import Col
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from graddebug_tensorflow.outputs import Slot
     from graddebug_tensorflow.params import Param
 
-__all__ = ["handed_over", "param_records", "step_records"]
+__all__ = ["handed_over", "param_records", "skipped_step", "step_records"]
 
 
 def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray, result: StepResult,
@@ -58,6 +59,15 @@ def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray, result: Ste
         for s in reached:
             if s.keep_var is not None and rank == 0:
                 result.kept[keep_label(name, tname, s.ordinal)] = s.keep_var.numpy().copy()
+
+
+def skipped_step(step: int, scaler: np.ndarray) -> Event | None:
+    """The event of a step that a ``LossScaleOptimizer`` skipped, from the scaler's row (see
+    :class:`~graddebug_tensorflow.buffers.ScalerCol`); None when it skipped none."""
+    if len(scaler) == 0 or scaler[ScalerCol.SKIPPED] <= 0:
+        return None
+    scale = float(scaler[ScalerCol.SKIPPED_SCALE])
+    return Event(step, "", "", -1, EventKind.SKIPPED_STEP.value, f"scale={scale!r}")
 
 
 def _activation(step: int, layer: str, tname: str, depth: int,
