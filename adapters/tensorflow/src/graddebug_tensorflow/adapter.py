@@ -43,7 +43,7 @@ from graddebug_tensorflow.outputs import (
 )
 from graddebug_tensorflow.params import Param, ParamSet
 from graddebug_tensorflow.records import handed_over, param_records, skipped_step, step_records
-from graddebug_tensorflow.replicas import replica_index, strategy_of
+from graddebug_tensorflow.replicas import all_reduced, replica_index, strategy_of
 from graddebug_tensorflow.scaling import LossScale, note_step
 from graddebug_tensorflow.stats import (
     Col,
@@ -469,7 +469,7 @@ class TensorFlowAdapter(BaseAdapter):
             return None
         with self._fail_open("optimizer"):
             scale = None if self._scale is None else self._scale.current()
-            pairs = _all_reduced(self._params.applied(grads, variables))
+            pairs = all_reduced(self._params.applied(grads, variables))
             self._when_recording(lambda: self._params.write_applied(pairs, scale))
             return scale if self._scale is not None and self._scale.dynamic else None
         return None
@@ -543,18 +543,3 @@ class TensorFlowAdapter(BaseAdapter):
 _write_forward = compiled(write_forward)
 _write_activation = compiled(write_activation)
 
-
-def _all_reduced(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-    """``(row, gradient)`` pairs with the gradients summed over the replicas in sync, as a
-    Keras optimizer sums them before it applies them; unchanged outside a replica function
-    of several replicas.
-
-    Every replica calls this, outside any ``tf.cond``: a cross-replica sum inside one
-    cannot synchronise the replicas.
-    """
-    context = tf.distribute.get_replica_context()
-    present = [(i, g) for i, g in pairs if g is not None]
-    if context is None or context.num_replicas_in_sync == 1 or not present:
-        return pairs
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [g for _, g in present])
-    return [(i, g) for (i, _), g in zip(present, summed, strict=True)]

@@ -15,7 +15,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["replica_index", "strategy_of"]
+__all__ = ["all_reduced", "replica_index", "strategy_of"]
 
 
 def strategy_of(model: Any, params: Any = ()) -> Any:
@@ -51,3 +51,22 @@ def replica_index() -> int:
         return 0
     index = tf.get_static_value(context.replica_id_in_sync_group)
     return int(index) if index is not None else 0
+
+
+def all_reduced(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """``(row, gradient)`` pairs with the gradients summed over the replicas in sync, as a
+    Keras optimizer sums them before it applies them; unchanged outside a replica function
+    of several replicas.
+
+    Every replica calls this, outside any ``tf.cond``: a cross-replica sum inside one
+    cannot synchronise the replicas. It costs one more all-reduce of the watched gradients
+    per step, as large as the optimizer's own, which happens after ``apply`` has clipped or
+    accumulated them and so cannot be shared without recording other gradients than a single
+    replica records.
+    """
+    context = tf.distribute.get_replica_context()
+    present = [(i, g) for i, g in pairs if g is not None]
+    if context is None or context.num_replicas_in_sync == 1 or not present:
+        return pairs
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [g for _, g in present])
+    return [(i, g) for (i, _), g in zip(present, summed, strict=True)]
