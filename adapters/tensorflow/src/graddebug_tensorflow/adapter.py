@@ -6,6 +6,12 @@ interventions and writes the gradient's statistics into TF state (:mod:`.buffers
 code records in eager mode, inside a ``tf.function`` and inside ``model.fit``. Parameter
 gradients are those handed to ``Watcher.step(grads)``, or those the optimizer applies. Closing a
 step reads every buffer with one transfer and clears it.
+
+Under a ``tf.distribute`` strategy of several replicas (:mod:`.replicas`), each replica records
+its layer outputs into its own copy of the buffers, and its rows carry its index in ``rank``;
+parameter rows are those of the all-reduced gradients, recorded once. Under loss scaling
+(:mod:`.scaling`) the scale is divided out of every statistic, and the steps a
+``LossScaleOptimizer`` skips are marked.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContext, WatchOptions
 from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError
-from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
+from graddebug_tensorflow.buffers import ScalerCol, StateBuffers
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.outputs import (
     Slot,
@@ -36,7 +42,9 @@ from graddebug_tensorflow.outputs import (
     unit_axis,
 )
 from graddebug_tensorflow.params import Param, ParamSet
-from graddebug_tensorflow.records import handed_over, param_records, step_records
+from graddebug_tensorflow.records import handed_over, param_records, skipped_step, step_records
+from graddebug_tensorflow.replicas import all_reduced, replica_index, strategy_of
+from graddebug_tensorflow.scaling import LossScale, note_step
 from graddebug_tensorflow.stats import (
     Col,
     compiled,
@@ -65,6 +73,12 @@ _NO_PARAM_GRADS = (
     "the variables, so parameter rows need dbg.step(tape.gradient(loss, "
     "model.trainable_variables)) or watch(model, optimizer=opt). Only layer outputs and taps "
     "are recorded until then."
+)
+
+_UNSEEN_STRATEGY = (
+    "graddebug: the model runs under a {name} of {count} replicas that graddebug did not see "
+    "on entering watch(): only replica 0 is recorded. Build the model under "
+    "strategy.scope(), or enter watch() inside it."
 )
 
 
@@ -107,17 +121,18 @@ class TensorFlowAdapter(BaseAdapter):
                 )
         super().__init__(context, options)
         self._model = model
-        self._buffers = StateBuffers()
+        self._strategy = strategy_of(model, (params or {}).values())
+        self._buffers = StateBuffers(self._strategy)
         self._index = LayerIndex(model) if model is not None else None
         self._targets: dict[str, Any] = {}  # layer name -> keras layer
         self._slots: dict[tuple[str, str, int], Slot] = {}
-        self._graph_calls: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], int]] = (
+        self._graph_calls: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, int], int]] = (
             weakref.WeakKeyDictionary()
         )
         self._patches: list[_Patch] = []
-        self._eager_calls: dict[tuple[str, str], int] = {}
+        self._eager_calls: dict[tuple[str, str, int], int] = {}
         self._recording_var: tf.Variable | None = None
-        self._scaler: Any = None  # a LossScaleOptimizer whose scale layer gradients carry
+        self._scale: LossScale | None = None  # the loss scaling of the bound optimizer
         if self._index is not None:
             self._targets = self._add_layers(
                 self._index.named, self._index.select(options.layers),
@@ -131,6 +146,12 @@ class TensorFlowAdapter(BaseAdapter):
             name for name, target in self._targets.items()
             if isinstance(target, keras.layers.BatchNormalization) and options.layers is None
             and not self._layers[name].keep and self._layers[name].intervention is None}
+        scaler = options.scaler
+        if scaler is not None and not getattr(LossScale.of(scaler), "dynamic", False):
+            raise ConfigError(
+                f"scaler={scaler!r} is not a loss scaler of Keras: there the scaler is the "
+                "keras.optimizers.LossScaleOptimizer itself; pass it as scaler= or optimizer=."
+            )
         self._add_param_keys(params or {})
         self._params = ParamSet(
             self._buffers, self._index, params or {},
@@ -150,6 +171,8 @@ class TensorFlowAdapter(BaseAdapter):
         self._params.resolve()
         for name, target in self._targets.items():
             self._patch(target, "call", self._wrap_call(self._layers[name], target.call))
+        if self._options.scaler is not None:
+            self.bind_optimizer(self._options.scaler)
         if self._model is not None:
             self._reset_compiled()
 
@@ -174,8 +197,13 @@ class TensorFlowAdapter(BaseAdapter):
                 setattr(self._model, attr, None)
 
     def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None = None) -> None:
-        """Take parameter gradients from ``optimizer.apply`` (the inner optimizer of a
-        ``LossScaleOptimizer``, whose gradients are already unscaled).
+        """Take parameter gradients from ``optimizer.apply``.
+
+        Under loss scaling (a ``LossScaleOptimizer``, or ``loss_scale_factor``) the gradients
+        handed to ``apply`` carry the scale: it is divided out of their statistics and of the
+        layer outputs', and a ``LossScaleOptimizer``'s skipped steps are marked. Under a
+        strategy of several replicas, the gradients are all-reduced as the optimizer does
+        before they are measured.
 
         ``on_step`` is not called: an optimizer step inside a compiled ``tf.function`` cannot
         call back into Python each step, so ``dbg.step()`` (or ``dbg.callback()``) closes the
@@ -184,16 +212,16 @@ class TensorFlowAdapter(BaseAdapter):
         Raises:
             ConfigError: ``optimizer`` has no ``apply`` method.
         """
-        target = getattr(optimizer, "inner_optimizer", None) or optimizer
-        if target is not optimizer and hasattr(optimizer, "initial_scale"):
-            self._scaler = optimizer
-        if any(p.obj is target and p.attr == "apply" for p in self._patches):
+        if any(p.obj is optimizer and p.attr == "apply" for p in self._patches):
             return
-        if not callable(getattr(target, "apply", None)):
+        if not callable(getattr(optimizer, "apply", None)):
             raise ConfigError(
                 f"optimizer={optimizer!r} is not a Keras optimizer (it has no apply method)."
             )
-        original = target.apply
+        scale = self._scale = LossScale.of(optimizer)
+        if scale is not None and scale.dynamic:
+            self._buffers.ensure_scaler()
+        original = optimizer.apply
 
         @functools.wraps(original)
         def apply(grads: Any, trainable_variables: Any = None) -> Any:
@@ -201,17 +229,20 @@ class TensorFlowAdapter(BaseAdapter):
             variables = (
                 list(trainable_variables)
                 if trainable_variables is not None
-                else list(getattr(target, "_trainable_variables", []))
+                else list(getattr(optimizer, "_trainable_variables", []))
             )
-            self._on_apply(grads, variables)
-            return original(grads, trainable_variables)
+            before = self._on_apply(grads, variables)
+            result = original(grads, trainable_variables)
+            if before is not None:
+                self._on_scaled_step(before)
+            return result
 
-        self._patch(target, "apply", apply)
+        self._patch(optimizer, "apply", apply)
 
     def has_pending(self) -> bool:
         """Whether a gradient was recorded since the last step closed."""
-        acts, params = self._buffers.peek()
-        return bool((acts[:, Col.BWD] > 0).any() or (params[:, 0] > 0).any())
+        rows = self._buffers.peek()
+        return bool((rows.acts[..., Col.BWD] > 0).any() or (rows.params[:, 0] > 0).any())
 
     def _model_layer_names(self) -> list[str]:
         return list(self._index.named) if self._index is not None else []
@@ -236,6 +267,15 @@ class TensorFlowAdapter(BaseAdapter):
                 [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
             )
         return list(grads)
+
+    def distribution(self) -> Distribution:
+        """One process; under a ``tf.distribute`` strategy, its replicas in sync and the
+        strategy's class name (each row carries its replica's index itself)."""
+        strategy = self._strategy
+        if strategy is None:
+            return Distribution()
+        return Distribution(rank=0, world_size=int(strategy.num_replicas_in_sync),
+                            backend=type(strategy).__name__)
 
     def callback(self, **options: Any) -> Any:
         """A Keras callback for ``model.fit`` that closes a step after each batch."""
@@ -313,9 +353,9 @@ class TensorFlowAdapter(BaseAdapter):
             return tensor
         slot = self._slot(layer, tname, eager) if record else None
         if slot is not None and eager:
-            _write_forward(slot.var, slot.row_tensor, tensor)
+            _write_forward(self._buffers.local(slot.var), slot.row_tensor, tensor)
         elif slot is not None:
-            write_forward(slot.var, slot.row, tensor)
+            write_forward(self._buffers.local(slot.var), slot.row, tensor)
         axis = unit_axis(tensor.shape.rank, layer.channels_first)
 
         @tf.custom_gradient
@@ -334,23 +374,49 @@ class TensorFlowAdapter(BaseAdapter):
             watched._keras_logits = identity(logits)
         return watched
 
-    def _slot(self, layer: LayerSpec, tname: str, eager: bool) -> Slot:
+    def _slot(self, layer: LayerSpec, tname: str, eager: bool) -> Slot | None:
+        """The row of this call of ``layer``'s output ``tname``: calls are counted per graph
+        (or eagerly per step) and per replica, and the replicas share rows, each writing its
+        own copy. None for a replica that records nothing (see :meth:`_replica`)."""
+        replica = self._replica(eager)
+        if replica is None:
+            return None
         if eager:
             calls = self._eager_calls
         else:
             calls = self._graph_calls.setdefault(tf.compat.v1.get_default_graph(), {})
-        ordinal = calls.get((layer.name, tname), 0)
-        calls[(layer.name, tname)] = ordinal + 1
+        ordinal = calls.get((layer.name, tname, replica), 0)
+        calls[(layer.name, tname, replica)] = ordinal + 1
         key = (layer.name, tname, ordinal)
         slot = self._slots.get(key)
         if slot is None:
             var, row, index = self._buffers.new_row()
             with tf.init_scope():
                 slot = Slot(layer, tname, ordinal, var, row, index, tf.constant(row))
-                if layer.keep:
-                    slot.keep_var = shapeless_variable(f"graddebug_keep_{len(self._slots)}")
+                if layer.keep:  # replica 0 keeps gradients: a plain variable of its own
+                    slot.keep_var = self._buffers.copy(self._buffers.variable(
+                        tf.zeros([0]), f"graddebug_keep_{len(self._slots)}", any_shape=True), 0)
             self._slots[key] = slot
         return slot
+
+    def _replica(self, eager: bool) -> int | None:
+        """The index of the running replica; None for a replica of a strategy the buffers
+        were not made for, which would overwrite replica 0's rows: it records nothing.
+
+        Without a strategy this costs nothing in eager mode, and one check per trace in a
+        graph.
+        """
+        if self._buffers.replicas > 1:
+            return replica_index()
+        if eager or not tf.distribute.has_strategy():
+            return 0
+        strategy = tf.distribute.get_strategy()
+        count = int(strategy.num_replicas_in_sync)
+        if count == 1:
+            return 0
+        self._ctx.warn_once("unseen-strategy", _UNSEEN_STRATEGY.format(
+            name=type(strategy).__name__, count=count))
+        return 0 if replica_index() == 0 else None
 
     def _on_grad(
         self,
@@ -369,12 +435,14 @@ class TensorFlowAdapter(BaseAdapter):
             pre = dy if new is not dy else None
 
             def write() -> tf.Tensor:
-                scale = None if self._scaler is None else _current_scale(self._scaler)
+                scale = None if self._scale is None else self._scale.current()
+                var = self._buffers.local(slot.var)
                 if tf.executing_eagerly():
-                    _write_activation(slot.var, slot.row_tensor, new, pre, unit_axis, scale)
+                    _write_activation(var, slot.row_tensor, new, pre, unit_axis, scale)
                 else:
-                    write_activation(slot.var, slot.row, new, pre, unit_axis, scale)
-                if slot.keep_var is not None:
+                    write_activation(var, slot.row, new, pre, unit_axis, scale)
+                if slot.keep_var is not None and (
+                        self._buffers.replicas == 1 or replica_index() == 0):
                     slot.keep_var.assign(new)
                 return tf.constant(True)
 
@@ -390,30 +458,78 @@ class TensorFlowAdapter(BaseAdapter):
 
     # -- parameter gradients ------------------------------------------------------------
 
-    def _on_apply(self, grads: list[Any], variables: list[Any]) -> None:
+    def _on_apply(self, grads: list[Any], variables: list[Any]) -> Any:
+        """Record the gradients an optimizer applies (divided by the loss scale they carry).
+
+        Returns:
+            The loss scale of their backward pass, read before the optimizer changes it,
+            where a ``LossScaleOptimizer`` may skip the step; else None.
+        """
         if tf.executing_eagerly() and not self._ctx.recording:
+            return None
+        with self._fail_open("optimizer"):
+            scale = None if self._scale is None else self._scale.current()
+            pairs = all_reduced(self._params.applied(grads, variables))
+            self._when_recording(lambda: self._params.write_applied(pairs, scale))
+            return scale if self._scale is not None and self._scale.dynamic else None
+        return None
+
+    def _on_scaled_step(self, before: Any) -> None:
+        """After a ``LossScaleOptimizer``'s apply: note whether it skipped the step."""
+        scale, row = self._scale, self._buffers.scaler
+        if scale is None or row is None:
             return
         with self._fail_open("optimizer"):
-            self._when_recording(lambda: self._params.write_applied(grads, variables))
+            if self._buffers.replicas > 1:
+                if replica_index() != 0:
+                    return
+                row = self._buffers.copy(row, 0)
+            after = scale.current()
+            target = row
+
+            def write() -> tf.Tensor:
+                note_step(target, before, after)
+                return tf.constant(True)
+
+            self._when_recording(write)
+
+    def _given_scale(self) -> Any:
+        """The loss scale that gradients handed to ``step(grads)`` carry: that of the last
+        ``apply`` in the step, else the one in use now; None without loss scaling."""
+        scale, row = self._scale, self._buffers.scaler
+        if scale is None:
+            return None
+        now = tf.cast(scale.current(), tf.float64)
+        if row is None:
+            return now
+        row = self._buffers.copy(row, 0)
+        return tf.where(row[ScalerCol.APPLIED] > 0, row[ScalerCol.SCALE], now)
 
     # -- closing a step -----------------------------------------------------------------
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Read and clear the buffers (one transfer) and turn them into records."""
         try:
-            if grads is not None:
-                self._params.write_given(list(grads))  # checks the count on every step
+            if grads is not None:  # checks the count on every step
+                self._params.write_given(list(grads), self._given_scale())
             if not record:
                 self._buffers.clear()
                 return StepResult()
-            acts, rows = self._buffers.read_and_clear()
-            result = step_records(step, list(self._slots.values()), acts)
+            rows = self._buffers.read_and_clear()
+            result = StepResult()
+            slots = list(self._slots.values())
+            for replica, acts in enumerate(rows.acts):
+                step_records(step, slots, acts, result, replica)
             params = self._params.resolve()
             # A backward reached the layers, yet no parameter gradient was handed over.
             if (result.records and grads is None and params
-                    and not handed_over(rows, len(params))):
+                    and not handed_over(rows.params, len(params))):
                 self._ctx.warn_once("no-param-grads", _NO_PARAM_GRADS)
-            param_records(step, params, rows, result, grads is not None, self._param_depth)
+            param_records(step, params, rows.params, result, grads is not None,
+                          self._param_depth)
+            skipped = skipped_step(step, rows.scaler)
+            if skipped is not None:
+                result.events.append(skipped)
             return result
         finally:
             self._eager_calls.clear()
@@ -427,7 +543,3 @@ class TensorFlowAdapter(BaseAdapter):
 _write_forward = compiled(write_forward)
 _write_activation = compiled(write_activation)
 
-
-def _current_scale(scaler: Any) -> Any:
-    """The loss scale in use, as ``LossScaleOptimizer.scale_loss`` reads it."""
-    return scaler.dynamic_scale if scaler.built else scaler.initial_scale

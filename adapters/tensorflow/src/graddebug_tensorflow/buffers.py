@@ -6,32 +6,106 @@ of :data:`CHUNK` rows (a chunk is added, outside any graph, when a new slot need
 graphs traced earlier stay valid), parameter rows in one variable. Closing a step concatenates
 every buffer into one tensor, copies it to the host (one transfer per step) and zeroes the
 buffers.
+
+Under a ``tf.distribute`` strategy of several replicas, every buffer is a variable with one
+copy per replica (``synchronization=ON_READ``, no aggregation): each replica writes its own
+copy (:meth:`StateBuffers.local`), and closing a step reads them all, still in one transfer.
+A loss-scaling optimizer adds one small row (:class:`ScalerCol`).
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 import tensorflow as tf
 
+from graddebug_tensorflow.replicas import replica_index
 from graddebug_tensorflow.stats import ACT_WIDTH, PARAM_WIDTH
 
-__all__ = ["CHUNK", "StateBuffers", "shapeless_variable"]
+__all__ = ["CHUNK", "SCALER_WIDTH", "Rows", "ScalerCol", "StateBuffers"]
 
 CHUNK = 64
 
 
-class StateBuffers:
-    """Activation and parameter rows in ``tf.Variable`` buffers."""
+class ScalerCol:
+    """Columns of the loss scaler's row."""
 
-    def __init__(self) -> None:
+    APPLIED = 0  # 1 once the optimizer applied (or skipped) gradients in the step
+    SKIPPED = 1  # 1 when it skipped a step: the scaled gradients overflowed
+    SKIPPED_SCALE = 2  # the loss scale of the backward pass whose step was skipped
+    SCALE = 3  # the loss scale of the backward pass of the last apply
+
+
+SCALER_WIDTH = 4
+
+
+class Rows(NamedTuple):
+    """A step's rows as read back on the host.
+
+    Attributes:
+        acts: Activation rows, shape ``(replicas, rows, ACT_WIDTH)``.
+        params: Parameter rows (replica 0's: the one that writes them), then the source row.
+        scaler: The loss scaler's row (replica 0's), empty without a loss scaler.
+    """
+
+    acts: np.ndarray
+    params: np.ndarray
+    scaler: np.ndarray
+
+
+class StateBuffers:
+    """Activation and parameter rows in ``tf.Variable`` buffers.
+
+    Args:
+        strategy: The ``tf.distribute`` strategy the watched model runs under, or None: with
+            several replicas, each buffer holds one copy per replica.
+    """
+
+    def __init__(self, strategy: Any = None) -> None:
+        replicas = int(strategy.num_replicas_in_sync) if strategy is not None else 1
+        self._strategy = strategy if replicas > 1 else None
+        self.replicas = replicas if self._strategy is not None else 1
         self._chunks: list[tf.Variable] = []
         self._rows = 0
         self.params: tf.Variable | None = None
+        self.scaler: tf.Variable | None = None
 
     @property
     def rows(self) -> int:
         """Number of activation rows handed out."""
         return self._rows
+
+    def variable(self, initial: Any, name: str, *, any_shape: bool = False) -> tf.Variable:
+        """A non-trainable state variable: one copy per replica under a strategy of several.
+
+        Call it outside any graph (in ``tf.init_scope()``): a ``tf.function`` that creates a
+        variable traces again.
+
+        Args:
+            initial: Its initial value.
+            name: Its name.
+            any_shape: Whether it takes values of any shape (``keep=`` copies).
+        """
+        shape = {"shape": tf.TensorShape(None), "validate_shape": False} if any_shape else {}
+        if self._strategy is None:
+            return tf.Variable(initial, trainable=False, name=name, **shape)
+        per_replica = {"synchronization": tf.VariableSynchronization.ON_READ,
+                       "aggregation": tf.VariableAggregation.NONE}
+        if tf.distribute.has_strategy():  # inside the scope, or a replica function of it
+            return tf.Variable(initial, trainable=False, name=name, **shape, **per_replica)
+        with self._strategy.scope():
+            return tf.Variable(initial, trainable=False, name=name, **shape, **per_replica)
+
+    def local(self, var: tf.Variable) -> tf.Variable:
+        """The copy of ``var`` that the running replica writes (``var`` itself with one)."""
+        if self._strategy is None:
+            return var
+        return var.values[replica_index()]
+
+    def copy(self, var: tf.Variable, replica: int) -> tf.Variable:
+        """Replica ``replica``'s copy of ``var``, to read (``var`` itself with one replica)."""
+        return var if self._strategy is None else var.values[replica]
 
     def new_row(self) -> tuple[tf.Variable, int, int]:
         """Hand out the next activation row as ``(chunk variable, row in the chunk, index)``.
@@ -49,13 +123,8 @@ class StateBuffers:
         """Create the chunks for ``rows`` activation rows now, outside any graph, so that a
         ``tf.function`` traced later creates no variable (which would make it trace twice)."""
         while len(self._chunks) * CHUNK < rows:
-            self._chunks.append(
-                tf.Variable(
-                    tf.zeros([CHUNK, ACT_WIDTH], tf.float64),
-                    trainable=False,
-                    name=f"graddebug_rows_{len(self._chunks)}",
-                )
-            )
+            self._chunks.append(self.variable(
+                tf.zeros([CHUNK, ACT_WIDTH], tf.float64), f"graddebug_rows_{len(self._chunks)}"))
 
     def ensure_params(self, count: int) -> tf.Variable:
         """Return the parameter buffer, (re)created for ``count`` parameters.
@@ -65,47 +134,50 @@ class StateBuffers:
         """
         if self.params is None or self.params.shape[0] != count + 1:
             with tf.init_scope():
-                self.params = tf.Variable(
-                    tf.zeros([count + 1, PARAM_WIDTH], tf.float64),
-                    trainable=False,
-                    name="graddebug_params",
-                )
+                self.params = self.variable(
+                    tf.zeros([count + 1, PARAM_WIDTH], tf.float64), "graddebug_params")
         return self.params
 
+    def ensure_scaler(self) -> tf.Variable:
+        """Return the loss scaler's row (see :class:`ScalerCol`), created on first use."""
+        if self.scaler is None:
+            with tf.init_scope():
+                self.scaler = self.variable(tf.zeros([SCALER_WIDTH], tf.float64),
+                                            "graddebug_scaler")
+        return self.scaler
+
     def _variables(self) -> list[tf.Variable]:
-        return [*self._chunks, *([self.params] if self.params is not None else [])]
+        return [*self._chunks, *(v for v in (self.params, self.scaler) if v is not None)]
 
-    def read_and_clear(self) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(activation rows, parameter rows)`` as arrays, and zero every buffer."""
+    def _read(self) -> Rows:
         variables = self._variables()
         if not variables:
-            return np.zeros((0, ACT_WIDTH)), np.zeros((0, PARAM_WIDTH))
-        flat = tf.concat([tf.reshape(v, [-1]) for v in variables], 0).numpy()
+            return Rows(np.zeros((1, 0, ACT_WIDTH)), np.zeros((0, PARAM_WIDTH)), np.zeros(0))
+        # One transfer for every buffer of every replica (not one per chunk: a model of
+        # thousands of layers has hundreds of chunks).
+        flat = tf.concat([tf.reshape(self.copy(v, r), [-1])
+                          for r in range(self.replicas) for v in variables], 0).numpy()
+        per_replica = flat.reshape(self.replicas, -1)
+        split = len(self._chunks) * CHUNK * ACT_WIDTH
+        acts = per_replica[:, :split].reshape(self.replicas, -1, ACT_WIDTH)[:, : self._rows]
+        rest = per_replica[0, split:]
+        scaler = rest[len(rest) - SCALER_WIDTH:] if self.scaler is not None else rest[:0]
+        params = rest[: len(rest) - len(scaler)].reshape(-1, PARAM_WIDTH)
+        return Rows(acts, params, scaler)
+
+    def read_and_clear(self) -> Rows:
+        """Return the rows of every buffer, and zero them."""
+        rows = self._read()
         self.clear()
-        split = len(self._chunks) * CHUNK * ACT_WIDTH
-        acts = flat[:split].reshape(-1, ACT_WIDTH)
-        return acts[: self._rows], flat[split:].reshape(-1, PARAM_WIDTH)
+        return rows
 
-    def peek(self) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(activation rows, parameter rows)`` without clearing them, with one
-        transfer (not one per chunk: a model of thousands of layers has hundreds of chunks)."""
-        variables = self._variables()
-        if not variables:
-            return np.zeros((0, ACT_WIDTH)), np.zeros((0, PARAM_WIDTH))
-        flat = tf.concat([tf.reshape(v, [-1]) for v in variables], 0).numpy()
-        split = len(self._chunks) * CHUNK * ACT_WIDTH
-        return flat[:split].reshape(-1, ACT_WIDTH)[: self._rows], \
-            flat[split:].reshape(-1, PARAM_WIDTH)
+    def peek(self) -> Rows:
+        """Return the rows of every buffer without clearing them."""
+        return self._read()
 
     def clear(self) -> None:
         """Zero every buffer (without reading it on steps that ``every=`` skips)."""
         for v in self._variables():
-            v.assign(tf.zeros_like(v))
-
-
-def shapeless_variable(name: str) -> tf.Variable:
-    """A variable that takes any shape: where ``keep=`` copies a gradient inside a graph."""
-    return tf.Variable(
-        tf.zeros([0]), shape=tf.TensorShape(None), validate_shape=False, trainable=False,
-        name=name,
-    )
+            for r in range(self.replicas):
+                copy = self.copy(v, r)
+                copy.assign(tf.zeros_like(copy))

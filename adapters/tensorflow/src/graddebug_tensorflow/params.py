@@ -11,9 +11,10 @@ import numpy as np
 import tensorflow as tf
 
 from graddebug.errors import ConfigError, GradientCountError
-from graddebug_tensorflow.buffers import StateBuffers, shapeless_variable
+from graddebug_tensorflow.buffers import StateBuffers
 from graddebug_tensorflow.model import LayerIndex
-from graddebug_tensorflow.stats import PARAM_WIDTH, compiled, param_row
+from graddebug_tensorflow.replicas import replica_index
+from graddebug_tensorflow.stats import PARAM_WIDTH, compiled, param_row, unscale_param_rows
 
 __all__ = ["UNMEASURED", "Param", "ParamSet"]
 
@@ -36,9 +37,10 @@ UNMEASURED = 2.0
 """Column 0 of a parameter row whose gradient was present but deliberately not read."""
 
 
-def _param_rows(grads: list[Any], full: bool) -> tf.Tensor:
-    """The rows of a list of gradients."""
-    return tf.stack([param_row(g, full) for g in grads])
+def _param_rows(grads: list[Any], full: bool, scale: Any) -> tf.Tensor:
+    """The rows of a list of gradients, with the loss ``scale`` divided out (None: none)."""
+    rows = tf.stack([param_row(g, full) for g in grads])
+    return rows if scale is None else unscale_param_rows(rows, scale)
 
 
 _rows = compiled(_param_rows)
@@ -54,6 +56,12 @@ def _check_given(position: int, grad: Any, var: Any, what: str) -> None:
         return
     name = getattr(var, "path", None) or getattr(var, "name", "?")
     where = f"step() gradient #{position} (for variable {name!r})"
+    if isinstance(grad, tf.distribute.DistributedValues):
+        raise GradientCountError(
+            f"{where} is a {type(grad).__name__}, one gradient per replica of a tf.distribute "
+            "strategy; graddebug measures the gradients the replicas sum: pass the optimizer "
+            "as watch(model, optimizer=opt) and close each step with dbg.step()."
+        )
     if isinstance(grad, tf.IndexedSlices):  # sparse (an embedding): its dense shape counts
         shape, dtype = grad.dense_shape, grad.values.dtype
         static = tf.get_static_value(shape)
@@ -133,22 +141,35 @@ class ParamSet:
             with tf.init_scope():
                 for p in params:
                     if p.keep:
-                        p.keep_var = shapeless_variable(f"graddebug_keep_{p.layer}_{p.tensor}")
+                        # Replica 0 writes parameter rows and copies (see _store).
+                        p.keep_var = self._buffers.copy(self._buffers.variable(
+                            tf.zeros([0]), f"graddebug_keep_{p.layer}_{p.tensor}",
+                            any_shape=True), 0)
             self._buffers.ensure_params(len(params))
         self.aligned = aligned
         self._positions = {id(p.var): i for i, p in enumerate(params)}
         self._params = params
         return params
 
-    def write_applied(self, grads: Sequence[Any], variables: Sequence[Any]) -> tf.Tensor:
-        """Write the rows of gradients an optimizer applies (eagerly or while tracing)."""
+    def applied(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[tuple[int, Any]]:
+        """``(row, gradient)`` of the watched variables among those an optimizer applies."""
         self.resolve()
-        pairs = [(self._positions[id(v)], g) for g, v in zip(grads, variables, strict=False)
-                 if id(v) in self._positions]
-        return self._store(pairs)
+        return [(self._positions[id(v)], g) for g, v in zip(grads, variables, strict=False)
+                if id(v) in self._positions]
 
-    def write_given(self, grads: Sequence[Any]) -> None:
-        """Write the rows of gradients handed to ``step(grads)``.
+    def write_applied(self, pairs: list[tuple[int, Any]], scale: Any = None) -> tf.Tensor:
+        """Write the rows of gradients an optimizer applies (eagerly or while tracing).
+
+        Args:
+            pairs: ``(row, gradient)`` as :meth:`applied` returns them.
+            scale: The loss scale the gradients carry, divided out of their rows; None for
+                none.
+        """
+        return self._store(pairs, scale)
+
+    def write_given(self, grads: Sequence[Any], scale: Any = None) -> None:
+        """Write the rows of gradients handed to ``step(grads)``, dividing out the loss
+        ``scale`` they carry (None: none).
 
         Raises:
             GradientCountError: ``grads`` does not align with the variables: another count,
@@ -164,12 +185,17 @@ class ParamSet:
             )
         for position, (grad, var) in enumerate(zip(grads, self.aligned, strict=True)):
             _check_given(position, grad, var, what)
-        self._store([(i, grads[p.index]) for i, p in enumerate(params)])
+        self._store([(i, grads[p.index]) for i, p in enumerate(params)], scale)
 
-    def _store(self, pairs: list[tuple[int, Any]]) -> tf.Tensor:
+    def _store(self, pairs: list[tuple[int, Any]], scale: Any) -> tf.Tensor:
         buffer = self._buffers.params
         if buffer is None or self._params is None:
             return tf.constant(False)
+        if self._buffers.replicas > 1:
+            # Every replica holds the same all-reduced gradients: replica 0 measures them.
+            if replica_index() != 0:
+                return tf.constant(False)
+            buffer = self._buffers.copy(buffer, 0)
         params = self._params
         present = [(i, g) for i, g in pairs if g is not None]
         unread: list[int] = []
@@ -181,7 +207,7 @@ class ParamSet:
             present = [(i, g) for i, g in present if not params[i].graph_unread]
         pad = [0.0] * (PARAM_WIDTH - 1)
         marks = tf.constant([[1.0, *pad]] + [[UNMEASURED, *pad]] * len(unread), tf.float64)
-        rows = tf.concat([_rows([g for _, g in present], self._full), marks], 0) \
+        rows = tf.concat([_rows([g for _, g in present], self._full, scale), marks], 0) \
             if present else marks
         # One op writes the rows and marks the source row, in eager mode and in a graph alike.
         buffer.scatter_nd_update(

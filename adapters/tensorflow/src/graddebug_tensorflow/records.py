@@ -11,6 +11,7 @@ import numpy as np
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import keep_label
 from graddebug.records import Event, EventKind, Kind, Record
+from graddebug_tensorflow.buffers import ScalerCol
 from graddebug_tensorflow.params import UNMEASURED
 from graddebug_tensorflow.stats import Col
 
@@ -18,18 +19,22 @@ if TYPE_CHECKING:
     from graddebug_tensorflow.outputs import Slot
     from graddebug_tensorflow.params import Param
 
-__all__ = ["handed_over", "param_records", "step_records"]
+__all__ = ["handed_over", "param_records", "skipped_step", "step_records"]
 
 
-def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray) -> StepResult:
-    """Records, events and kept gradients of the layer outputs and taps of one step.
+def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray, result: StepResult,
+                 rank: int = 0) -> None:
+    """Add the records, events and kept gradients of the layer outputs and taps of one step
+    to ``result``.
 
     Args:
         step: Index of the step.
         slots: Every slot handed out so far, in creation order.
-        acts: The activation rows, indexed by ``Slot.index``.
+        acts: One replica's activation rows, indexed by ``Slot.index``.
+        result: The step's result, extended in place.
+        rank: The replica that wrote ``acts`` (0 without ``tf.distribute``); only replica 0
+            keeps gradients (``keep=``).
     """
-    result = StepResult()
     groups: dict[tuple[str, str], list[Slot]] = {}
     for slot in slots:
         groups.setdefault((slot.layer.name, slot.tensor), []).append(slot)
@@ -42,22 +47,31 @@ def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray) -> StepResu
         if broken:
             result.events.append(Event(step, name, tname, layer.depth,
                                        EventKind.FORWARD_NONFINITE.value,
-                                       "NaN" if any(math.isnan(v) for v in broken) else "Inf"))
+                                       "NaN" if any(math.isnan(v) for v in broken) else "Inf",
+                                       rank))
         if not reached:
             if ran:
                 result.events.append(Event(step, name, tname, layer.depth,
-                                           EventKind.UNREACHED.value))
+                                           EventKind.UNREACHED.value, "", rank))
             continue
         result.records.append(_activation(step, name, tname, layer.depth,
-                                          [acts[s.index] for s in reached]))
+                                          [acts[s.index] for s in reached], rank))
         for s in reached:
-            if s.keep_var is not None:
+            if s.keep_var is not None and rank == 0:
                 result.kept[keep_label(name, tname, s.ordinal)] = s.keep_var.numpy().copy()
-    return result
+
+
+def skipped_step(step: int, scaler: np.ndarray) -> Event | None:
+    """The event of a step that a ``LossScaleOptimizer`` skipped, from the scaler's row (see
+    :class:`~graddebug_tensorflow.buffers.ScalerCol`); None when it skipped none."""
+    if len(scaler) == 0 or scaler[ScalerCol.SKIPPED] <= 0:
+        return None
+    scale = float(scaler[ScalerCol.SKIPPED_SCALE])
+    return Event(step, "", "", -1, EventKind.SKIPPED_STEP.value, f"scale={scale!r}")
 
 
 def _activation(step: int, layer: str, tname: str, depth: int,
-                rows: list[np.ndarray]) -> Record:
+                rows: list[np.ndarray], rank: int) -> Record:
     sq = sum(float(r[Col.SQ]) for r in rows)
     total = sum(float(r[Col.SUM]) for r in rows)
     absmaxes = [float(r[Col.ABSMAX]) for r in rows]
@@ -66,8 +80,8 @@ def _activation(step: int, layer: str, tname: str, depth: int,
     # A unit is dead only if it is dead in every call; per-call counts bound that from above.
     dead = [(r[Col.UNITS] - r[Col.LIVE]) / r[Col.UNITS] for r in rows if r[Col.UNITS] > 0]
     first = rows[0]
-    rank = int(first[Col.RANK])
-    dims = tuple(int(d) for d in first[Col.DIMS : Col.DIMS + rank])
+    ndim = int(first[Col.RANK])
+    dims = tuple(int(d) for d in first[Col.DIMS : Col.DIMS + ndim])
     return Record.from_sums(
         step, layer, tname, Kind.ACTIVATION.value, depth, str(dims),
         int(sum(r[Col.NUMEL] for r in rows)),
@@ -78,6 +92,7 @@ def _activation(step: int, layer: str, tname: str, depth: int,
         nan=math.isnan(sq) or math.isnan(absmax),
         inf=math.isinf(absmax),
         pre_norm=math.sqrt(sum(pre)) if pre else math.nan,
+        rank=rank,
     )
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "forward_row",
     "param_row",
     "square_sum",
+    "unscale_param_rows",
     "unscale_row",
     "write_activation",
     "write_forward",
@@ -121,6 +122,14 @@ def unscale_row(row: tf.Tensor, scale: Any) -> tf.Tensor:
     # PRE_SQ is -1 where no intervention acted: keep the marker.
     return tf.where(tf.range(ACT_WIDTH - Col.BWD) == Col.PRE_SQ - Col.BWD,
                     tf.where(row < 0, row, unscaled), unscaled)
+
+
+def unscale_param_rows(rows: tf.Tensor, scale: Any) -> tf.Tensor:
+    """Divide the loss scale out of rows from :func:`param_row`: the sum of squares by
+    ``scale**2``, the sum and ``absmax`` by ``scale``. Cheaper than unscaling the gradients
+    themselves, which would take a gradient-sized temporary each."""
+    s = tf.cast(tf.convert_to_tensor(scale), _ROW)
+    return rows / tf.stack([tf.constant(1.0, _ROW), s * s, s, s])
 
 
 def param_row(grad: Any, full: bool) -> tf.Tensor:
