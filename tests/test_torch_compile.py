@@ -321,6 +321,27 @@ def test_output_capture_adds_at_most_the_documented_graph_breaks(build):
     assert graphs == plain_graphs  # compiled once: no recompile, let alone the limit
 
 
+def test_a_parameter_free_module_outside_torch_nn_adds_no_graph_break():
+    # eager mode follows values through such modules (GPT-2's attention helpers, position
+    # tables); under dynamo that following is left to the compiled operators
+    class Positions(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.arange(x.shape[-1], dtype=x.dtype) / x.shape[-1]
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.pos, self.out = nn.Linear(8, 8), Positions(), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.pos(self.fc(x)))
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 8)
+    plain = _count(copy.deepcopy(model), x, plain=True)
+    assert _count(copy.deepcopy(model), x) == plain
+
+
 def test_a_graph_compiled_under_one_watcher_serves_the_next():
     model, x = _mlp()
     call = torch.compile(model, backend="aot_eager")

@@ -146,6 +146,8 @@ class ValueFlows:
         """
 
         def enter(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if torch.compiler.is_compiling():
+                return  # a mode inside a traced graph breaks it; compiled.py judges instead
             flow = None
             if active():
                 with guard():
@@ -155,6 +157,8 @@ class ValueFlows:
             self._running.setdefault(id(module), []).append(flow)
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             calls = self._running.get(id(module))
             flow = calls.pop() if calls else None
             self._finished[id(module)] = flow
