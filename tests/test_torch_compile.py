@@ -274,6 +274,36 @@ def test_forward_operator_keeps_a_copy_of_the_check_it_is_handed():
     assert "0" in set(found["layer"])
 
 
+def test_a_model_compiled_before_watch_is_named_in_one_warning_and_reset_recovers_it():
+    model, x = _mlp()
+    compiled = torch.compile(model, backend="eager")
+    compiled(x).sum().backward()  # traced without graddebug's hooks
+
+    def steps(dbg: Any) -> None:
+        for _ in range(2):
+            model.zero_grad()
+            compiled(x).sum().backward()
+            dbg.step()
+
+    with (pytest.warns(GradDebugWarning, match="compiled with torch.compile before") as caught,
+          graddebug.watch(compiled) as dbg):
+        steps(dbg)
+    assert len([w for w in caught if issubclass(w.category, GradDebugWarning)]) == 1
+    assert set(dbg.frame()["kind"]) == {"parameter"}  # the hooks never ran
+
+    with graddebug.watch(compiled) as dbg:
+        torch.compiler.reset()
+        steps(dbg)
+    frame = dbg.frame()
+    outputs = frame[frame["kind"] == "activation"]
+    assert len(outputs) == 2 * 5  # five modules, two steps
+    layer0 = outputs[(outputs["layer"] == "0") & (outputs["step"] == 1)]
+    model.zero_grad()
+    h = model[0](x)
+    (expected,) = torch.autograd.grad(model[1:](h).sum(), h)
+    np.testing.assert_allclose(layer0["norm"], [float(expected.norm())], rtol=1e-5)
+
+
 def test_tap_inside_a_compiled_function_records_as_in_eager_mode():
     torch.manual_seed(0)
     w = torch.randn(8, 8, requires_grad=True)

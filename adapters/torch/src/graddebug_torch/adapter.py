@@ -23,6 +23,7 @@ from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind
 from graddebug_torch.compiled import (
     NEEDS_GRAD,
+    NO_FORWARD_WARNING,
     SEVERED,
     UNJUDGED,
     UNJUDGED_WARNING,
@@ -511,6 +512,9 @@ class TorchAdapter(BaseAdapter):
             if not record:
                 return StepResult()
             state = self._state
+            if (state.touched and not (state.forward_sums or state.expected or state.transformed)
+                    and any(self._layers[name].capture for name in self._modules)):
+                self._ctx.warn_once("no-forward", NO_FORWARD_WARNING.format(step=step))
             rows = param_rows(self._params, state.received, grads, state.changed_in_place,
                               self._param_depth)
             full = self._options.param_stats == "full"

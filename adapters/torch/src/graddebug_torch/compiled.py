@@ -41,8 +41,8 @@ from graddebug_torch.guards import hooked_module
 from graddebug_torch.outputs import any_requires_grad, flatten
 from graddebug_torch.valueflow import needs_value_flow
 
-__all__ = ["NEEDS_GRAD", "SEVERED", "UNJUDGED", "UNJUDGED_WARNING", "Ran", "run_eagerly",
-           "trace_forward", "tracing"]
+__all__ = ["NEEDS_GRAD", "NO_FORWARD_WARNING", "SEVERED", "UNJUDGED", "UNJUDGED_WARNING", "Ran",
+           "run_eagerly", "trace_forward", "tracing"]
 
 NEEDS_GRAD = 1
 """Flag of an output that requires a gradient (a tensor hook was set on it)."""
@@ -51,6 +51,13 @@ SEVERED = 2
 UNJUDGED = 4
 """Flag of such an output of a module whose values only eager mode can follow
 (:mod:`graddebug_torch.valueflow`): whether it cut the graph is not judged."""
+NO_FORWARD_WARNING = (
+    "graddebug: parameter gradients arrived in step {step} but no watched layer's forward "
+    "pass was seen, so the step has no layer-output rows. A model compiled with torch.compile "
+    "before watch() was entered keeps running the graph traced without graddebug's hooks: "
+    "enter watch() before the first compiled call, or call torch.compiler.reset() after "
+    "entering it. A forward pass run before watch() was entered has the same effect."
+)
 UNJUDGED_WARNING = (
     "graddebug: {layer!r} ran inside torch.compile and returned an output that needs no "
     "gradient although its input needs one. graddebug follows values through such "
