@@ -121,8 +121,9 @@ def test_tables_show_rank_only_in_multi_rank_runs() -> None:
 def write_rank(path: Path, rank: int, rows: list[Record], *, finish: bool = True,
                parts: int = 2) -> RunWriter:
     writer = RunWriter(path, flush_every=1)
-    writer.rank, writer.world_size = rank, 2
+    writer.rank, writer.processes = rank, 2
     writer.create()
+    # no "processes": as runs written before replicas of one process were told apart
     meta = {"world_size": 2, "backend": "gloo", "rank": rank}
     writer.start(meta, Thresholds().as_dict())
     mine = [r for r in rows if r.rank == rank]
@@ -172,6 +173,29 @@ def test_the_cli_reports_a_multi_rank_run(tmp_path: Path, capsys: pytest.Capture
     assert "2 ranks (gloo)" in out and "rank 1" in out
 
 
+def test_replicas_written_by_one_process_make_a_complete_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from graddebug.cli import main
+
+    rows, _ = two_ranks(steps=4, nan_at=(3, 1, "head"))  # tf.distribute: replicas as ranks
+    run = tmp_path / "run"
+    writer = RunWriter(run, flush_every=1)
+    writer.create()  # processes stays 1
+    meta = {"world_size": 2, "processes": 1, "backend": "MirroredStrategy", "rank": 0}
+    writer.start(meta, Thresholds().as_dict())
+    writer.flush(rows, [], [])
+    frame = record_frame(rows)
+    findings = diagnose(frame, event_frame([]), Thresholds())
+    writer.finish(frame, event_frame([]), findings, meta, Thresholds().as_dict())
+    report = graddebug.load(run)
+    assert report.metadata["run"]["status"] == "complete"  # waits for no rank-1 file
+    assert sorted(set(report.frame()["rank"])) == [0, 1]
+    nonfinite = report.findings()[report.findings()["issue"] == "nonfinite"]
+    assert nonfinite[["step", "layer", "rank"]].values.tolist() == [[3, "head", 1]]
+    assert main(["report", str(run), "--table", "findings"]) == 1
+    assert "2 replicas (MirroredStrategy)" in capsys.readouterr().out
+
+
 def test_a_killed_rank_leaves_a_loadable_incomplete_run(tmp_path: Path) -> None:
     rows, _ = two_ranks(steps=4)
     run = tmp_path / "run"
@@ -189,13 +213,13 @@ def test_a_finished_run_and_an_own_earlier_run_are_refused(tmp_path: Path) -> No
     write_rank(run, 0, rows)
     write_rank(run, 1, rows)
     again = RunWriter(run, flush_every=1)  # which rank it is shows on entering
-    again.world_size = 2
+    again.processes = 2
     with pytest.raises(ConfigError, match="is a graddebug run"):
         again.create()
     crashed = tmp_path / "crashed"
     write_rank(crashed, 1, rows, finish=False)
     again = RunWriter(crashed, flush_every=1)  # rank 0 of a new run may join it ...
-    again.rank, again.world_size = 1, 2
+    again.rank, again.processes = 1, 2
     with pytest.raises(ConfigError, match="files of rank 1 already"):
         again.create()  # ... but rank 1's files are an earlier run's
     (tmp_path / "other").mkdir()

@@ -116,7 +116,8 @@ def mirrored_fit(strategy: Any, weights: list[np.ndarray], x: np.ndarray,
     report = dbg.report()
     return {**recorded(dbg), "summary": json.loads(dbg.summary().to_json(orient="records")),
             "findings": len(dbg.findings()),
-        "distribution": {k: report.metadata[k] for k in ("rank", "world_size", "backend")},
+        "distribution": {k: report.metadata[k]
+                         for k in ("rank", "world_size", "backend", "processes")},
         "weights": [w.tolist() for w in model.get_weights()]}
 
 
@@ -251,8 +252,11 @@ def log_dir_run(strategy: Any, weights: list[np.ndarray], x: np.ndarray,
         with graddebug.watch(model, log_dir=path) as dbg:
             model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
                       callbacks=[dbg.callback()])
+            live = dbg.frame()
         loaded = graddebug.load(path)
-        return {"status": loaded.metadata["run"]["status"], "rows": len(loaded.frame())}
+        same = loaded.frame().equals(live)
+        return {"status": loaded.metadata["run"]["status"], "rows": len(loaded.frame()),
+                "same_as_live": same}
 
 
 def main(out: str) -> None:

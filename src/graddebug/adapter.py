@@ -86,11 +86,19 @@ class Distribution:
         world_size: Number of ranks, or of replicas in one process; 1 when not distributed.
         backend: The process group's backend (``"nccl"``, ``"gloo"``) or the strategy's
             class name; ``""`` when not distributed.
+        processes: Number of processes that write the run's files, when that is not
+            ``world_size`` (1 for the replicas of one process); None otherwise.
     """
 
     rank: int = 0
     world_size: int = 1
     backend: str = ""
+    processes: int | None = None
+
+    @property
+    def writers(self) -> int:
+        """Number of processes that write the run's files."""
+        return self.world_size if self.processes is None else self.processes
 
 
 @dataclass

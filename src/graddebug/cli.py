@@ -149,12 +149,14 @@ def _tables(report: Report, top: int) -> dict[str, pd.DataFrame]:
 
 
 def _ranks(meta: dict[str, Any]) -> str:
-    """``"2 ranks (gloo)"`` for a multi-rank run, else empty."""
+    """``"2 ranks (gloo)"`` for a multi-rank run, ``"2 replicas (MirroredStrategy)"`` for the
+    replicas of one process, else empty."""
     size = meta.get("world_size")
     if not isinstance(size, int) or size <= 1:
         return ""
     backend = meta.get("backend")
-    return f"{size} ranks" + (f" ({backend})" if backend else "")
+    unit = "replicas" if meta.get("processes") == 1 else "ranks"
+    return f"{size} {unit}" + (f" ({backend})" if backend else "")
 
 
 def _headline(report: Report, path: str) -> str:

@@ -137,7 +137,7 @@ class RunBuffer:
         if log is None:
             return
         log.rank = self.distribution.rank
-        log.world_size = self.distribution.world_size
+        log.processes = self.distribution.writers
         log.create()
         try:
             log.start(*self._describe())

@@ -92,5 +92,6 @@ def run_metadata(*, adapter: str | None, model: Any, options: WatchOptions,
         "pid": os.getpid(),
         "rank": distribution.rank,
         "world_size": distribution.world_size,
+        "processes": distribution.writers,
         "backend": distribution.backend,
     }

@@ -72,6 +72,17 @@ def meta_file(rank: int = 0) -> str:
     return META_FILE if rank == 0 else f"graddebug.rank{rank}.json"
 
 
+def writer_count(meta: Mapping[str, Any]) -> int | None:
+    """How many processes write the run whose JSON metadata file holds ``meta``: its
+    ``processes``, or its ``world_size`` for runs written before replicas in one process were
+    told apart; None when neither is an int."""
+    stored = meta.get("metadata")
+    if not isinstance(stored, dict):
+        return None
+    size = stored.get("processes", stored.get("world_size"))
+    return size if isinstance(size, int) else None
+
+
 def now() -> str:
     """The current UTC time, ISO 8601 to the second (as stored in metadata)."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

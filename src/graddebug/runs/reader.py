@@ -33,6 +33,7 @@ from graddebug.runs.layout import (
     meta_file,
     part_files,
     read_meta,
+    writer_count,
 )
 
 __all__ = ["Progress", "StoredRun", "read_run", "read_streams"]
@@ -353,8 +354,7 @@ def _rank_statuses(run: Path, meta: Mapping[str, Any]) -> dict[int, str]:
     writing) counts as ``"running"``: its rows are read as streamed, and the run is not
     complete.
     """
-    stored = meta.get("metadata")
-    size = stored.get("world_size") if isinstance(stored, dict) else None
+    size = writer_count(meta)
     if not isinstance(size, int) or size <= 1 or meta.get("merged"):
         return {}  # one process, or every rank's rows saved as one run (save())
     statuses = {}

@@ -34,6 +34,7 @@ from graddebug.runs.layout import (
     part_name,
     read_meta,
     write_json,
+    writer_count,
 )
 from graddebug.runs.reader import read_streams
 
@@ -115,7 +116,7 @@ class RunWriter:
     The Watcher keeps only what is not yet flushed; :meth:`read` returns the whole run.
 
     In a multi-rank run every rank has a RunWriter on the same directory (set :attr:`rank`
-    and :attr:`world_size` before :meth:`create`): each writes parts named with its rank and a
+    and :attr:`processes` before :meth:`create`): each writes parts named with its rank and a
     JSON file of its own status; rank 0's JSON file holds the run's metadata. The findings
     of a multi-rank run are diagnosed on loading, from every rank's rows.
 
@@ -134,7 +135,7 @@ class RunWriter:
         self.path = Path(path)
         self.flush_every = flush_every
         self.rank = 0
-        self.world_size = 1
+        self.processes = 1
         self._check_free()
         self._started = False
         self._parts = 0
@@ -256,7 +257,7 @@ class RunWriter:
                 marked ``"incomplete"`` with this reason (``metadata["incomplete_reason"]``),
                 never ``"complete"``.
         """
-        if self.world_size == 1:
+        if self.processes == 1:
             _write_parquet(self.path / FINDINGS_FILE, frame_to_table(findings)[0])
         columns = _specs(records=records, events=events, findings=findings)
         status, extra = "complete", {}
@@ -281,6 +282,5 @@ def _joinable(path: Path) -> bool:
         meta = read_meta(path)
     except GradDebugError:
         return False
-    stored = meta.get("metadata")
-    size = stored.get("world_size") if isinstance(stored, dict) else None
+    size = writer_count(meta)
     return meta.get("status") == "running" or (isinstance(size, int) and size > 1)

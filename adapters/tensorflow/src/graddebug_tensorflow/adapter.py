@@ -270,12 +270,13 @@ class TensorFlowAdapter(BaseAdapter):
 
     def distribution(self) -> Distribution:
         """One process; under a ``tf.distribute`` strategy, its replicas in sync and the
-        strategy's class name (each row carries its replica's index itself)."""
+        strategy's class name (each row carries its replica's index itself), written by this
+        one process."""
         strategy = self._strategy
         if strategy is None:
             return Distribution()
         return Distribution(rank=0, world_size=int(strategy.num_replicas_in_sync),
-                            backend=type(strategy).__name__)
+                            backend=type(strategy).__name__, processes=1)
 
     def callback(self, **options: Any) -> Any:
         """A Keras callback for ``model.fit`` that closes a step after each batch."""
