@@ -109,7 +109,8 @@ def combine_ranks(records: pd.DataFrame) -> pd.DataFrame:
     into the mean over the global batch, the gradient of that global loss at each rank's
     activations is the recorded one divided by the world size: the combined norm is then
     ``world_size`` times the activation norm of one process trained on the global batch.
-    With a summed loss the two are equal.
+    With a summed loss, or a loss already divided by the global batch size (Keras ``fit`` under
+    a ``tf.distribute`` strategy, ``tf.nn.compute_average_loss``), the two are equal.
 
     A frame from one rank is returned unchanged.
     """

@@ -479,7 +479,8 @@ def watch(model: Any = None, **options: Any) -> Watcher:
             - ``scaler``: the loss scaler of mixed-precision training (``torch.amp.GradScaler``):
               statistics are divided by its scale, and the steps it skips on overflow are
               marked (``skipped_step`` events, an ``overflow`` finding), not taken for NaN
-              faults.
+              faults. Keras needs none: a ``LossScaleOptimizer`` (the ``mixed_float16``
+              policy) is found through the model's or ``optimizer=``'s optimizer.
             - ``thresholds``: a :class:`Thresholds` or a dict of threshold overrides.
             - ``strict``: raise on a bug inside a hook instead of recording it.
             - ``log_dir``: a new directory to stream the run to while it trains (Parquet parts
