@@ -1,0 +1,562 @@
+"""Op-level capture (``watch(model, ops=True)``, ``escalate=True``) and the source lines of
+``nonfinite`` and ``cut_graph`` findings.
+
+Gradients of op rows are checked against ``torch.autograd.grad`` on the same intermediate
+tensors, collected by a mode of this file's own in a separate, unwatched forward pass. Source
+lines are checked against the line numbers of this file, found by searching for a marker
+comment, so that editing the file cannot make the tests point at the wrong line.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import Tensor, nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.overrides import TorchFunctionMode, resolve_name  # noqa: E402
+
+import graddebug  # noqa: E402
+from graddebug.errors import ConfigError, UnknownNameError  # noqa: E402
+
+HERE = Path(__file__)
+SOURCE = HERE.read_text().splitlines()
+
+
+def line_of(marker: str) -> str:
+    """``test_torch_ops.py:<n>`` of the one line of this file that ends with ``# <marker>``."""
+    hits = [i + 1 for i, text in enumerate(SOURCE) if text.rstrip().endswith(f"# {marker}")]
+    assert len(hits) == 1, (marker, hits)
+    return f"{HERE.name}:{hits[0]}"
+
+
+def shown(line: int) -> str:
+    """How findings show a line of this file: relative to the working directory."""
+    relative = os.path.relpath(HERE)
+    return f"{HERE if relative.startswith(os.pardir) else relative}:{line}"
+
+
+def no_modes() -> bool:
+    return not torch.overrides._get_current_function_mode_stack()
+
+
+# -- models ----------------------------------------------------------------------------------
+
+
+class FunctionalMLP(nn.Module):
+    """Linear layers with functional activations in between: ops that are no module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.fc2 = nn.Linear(16, 16)
+        self.fc3 = nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.gelu(self.fc1(x))
+        h = torch.tanh(self.fc2(h)) * 0.5 + h
+        return self.fc3(F.silu(h))
+
+
+def encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+class LogBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x).abs() + 1.0
+        return torch.log(-h)  # log-of-negative
+
+
+class SqrtBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.relu(self.fc(x)) * 0.0
+        return torch.sqrt(h)  # sqrt-at-zero
+
+
+class DetachBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        h = torch.tanh(h)
+        h = h.detach()  # detach-in-block
+        return self.fc2(h * 2.0)
+
+
+class NoGradBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        with torch.no_grad():
+            h = h * 2.0  # under-no-grad
+        return self.fc2(h)
+
+
+class NumpyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        values = h.detach().numpy()  # numpy-round-trip
+        h = torch.from_numpy(np.tanh(values))
+        return self.fc2(h)
+
+
+class Net(nn.Module):
+    """``pre``, then the block under test, then ``head``."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.block = block
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(self.pre(x)))
+
+
+def summed(output: Tensor) -> Tensor:
+    return output.sum()
+
+
+# -- reference: autograd.grad on the intermediate tensors ------------------------------------
+
+
+class Outputs(TorchFunctionMode):
+    """Collects, in call order, every float output that needs a gradient of every torch call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, Tensor]] = []
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        found = [out] if isinstance(out, Tensor) else [
+            t for t in out if isinstance(t, Tensor)] if isinstance(out, (tuple, list)) else []
+        for t in found:
+            if t.is_floating_point() and t.requires_grad:
+                name = (resolve_name(func) or "").removesuffix(".__get__")
+                self.calls.append((name, t))
+        return out
+
+
+def reference(model: nn.Module, x: Tensor,
+              loss_fn: Callable[[Tensor], Tensor]) -> list[tuple[str, np.ndarray]]:
+    """Per op call of an unwatched forward pass: its op, and the gradient of the loss at its
+    output from ``torch.autograd.grad``."""
+    mode = Outputs()
+    with mode:
+        out = model(x)
+    grads = torch.autograd.grad(loss_fn(out), [t for _, t in mode.calls], allow_unused=True)
+    return [(name, (g if g is not None else torch.zeros_like(t)).numpy().astype(np.float64))
+            for (name, t), g in zip(mode.calls, grads, strict=True)]
+
+
+def watched_ops(model: nn.Module, x: Tensor, loss_fn: Callable[[Tensor], Tensor],
+                **options: Any) -> tuple[pd.DataFrame, Any]:
+    with graddebug.watch(model, ops=True, **options) as dbg:
+        model.zero_grad()
+        loss_fn(model(x)).backward()
+        dbg.step()
+    frame = dbg.frame()
+    return frame[frame["kind"] == "op"].sort_values("depth", kind="stable"), dbg
+
+
+CASES = {
+    "functional MLP": (FunctionalMLP, lambda: torch.randn(8, 6),
+                       lambda out: (out ** 2).mean()),
+    "TransformerEncoder": (encoder, lambda: torch.randn(3, 5, 16),
+                           lambda out: (out * torch.linspace(-1, 1, 16)).sum()),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_op_rows_equal_autograd_grad_on_the_intermediate_tensors(case: str) -> None:
+    build, batch, loss_fn = CASES[case]
+    torch.manual_seed(0)
+    model, x = build(), batch()
+    expected = reference(model, x, loss_fn)
+    ops, _ = watched_ops(model, x, loss_fn)
+    # One site per call here: no op site runs twice in these forward passes.
+    assert len(ops) == len(expected) > 5
+    for row, (name, grad) in zip(ops.itertuples(), expected, strict=True):
+        assert row.tensor.split("@")[0] == name
+        assert row.shape == str(grad.shape)
+        norm = float(np.linalg.norm(grad))
+        assert row.norm == pytest.approx(norm, rel=1e-6, abs=1e-12), row.tensor
+        # The mean cancels to almost 0 on some sites: compared up to float32 summation error.
+        rms = norm / math.sqrt(grad.size)
+        assert row.mean == pytest.approx(grad.mean(), rel=1e-5, abs=1e-5 * rms), row.tensor
+        assert row.absmax == pytest.approx(np.abs(grad).max(), rel=1e-6), row.tensor
+        assert not row.nan and not row.inf
+
+
+def test_an_op_output_written_in_place_keeps_its_own_gradient() -> None:
+    """``h.mul_(3)`` right after ``h = x @ w``: the row of the matmul is the gradient of its
+    value, before the write (3x the gradient of ``h`` after it)."""
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = torch.mm(x, self.w)
+            h.mul_(3.0)
+            return h.tanh()
+
+    torch.manual_seed(0)
+    model, x = InPlace(), torch.randn(5, 4)
+    ops, _ = watched_ops(model, x, summed)
+    h = torch.mm(x, model.w)
+    after = h * 3.0
+    out = after.tanh()
+    before_grad, after_grad = torch.autograd.grad(out.sum(), [h, after])
+    norms = dict(zip(ops["tensor"].str.split("@").str[0], ops["norm"], strict=True))
+    assert norms["torch.mm"] == pytest.approx(float(before_grad.norm()), rel=1e-6)
+    assert norms["torch.Tensor.mul_"] == pytest.approx(float(after_grad.norm()), rel=1e-6)
+
+
+def test_kept_op_gradient_is_the_autograd_gradient() -> None:
+    torch.manual_seed(0)
+    model, x = FunctionalMLP(), torch.randn(8, 6)
+    loss_fn = CASES["functional MLP"][2]
+    expected = dict(reference(model, x, loss_fn))["torch.tanh"]
+    ops, dbg = watched_ops(model, x, loss_fn, keep=["FunctionalMLP.torch.tanh@*"])
+    (site,) = ops.loc[ops["tensor"].str.startswith("torch.tanh@"), "tensor"]
+    kept = dbg.tensors()[f"FunctionalMLP.{site}"]
+    np.testing.assert_allclose(kept[0] if kept.ndim == 3 else kept, expected, rtol=1e-6)
+
+
+def test_op_rows_name_op_module_and_user_line() -> None:
+    torch.manual_seed(0)
+    ops, _ = watched_ops(FunctionalMLP(), torch.randn(8, 6), summed)
+    sites = dict(zip(ops["tensor"], ops["layer"], strict=True))
+    forward = next(i for i, t in enumerate(SOURCE) if "h = F.gelu(self.fc1(x))" in t) + 1
+    assert sites[f"torch.nn.functional.linear@{HERE.name}:{forward}"] == "fc1"
+    assert sites[f"torch.nn.functional.gelu@{HERE.name}:{forward}"] == "FunctionalMLP"
+    assert sites[f"torch.tanh@{HERE.name}:{forward + 1}"] == "FunctionalMLP"
+    # Two ops of one line are two sites: * 0.5 then + h.
+    assert f"torch.Tensor.mul@{HERE.name}:{forward + 1}" in sites
+    assert f"torch.Tensor.add@{HERE.name}:{forward + 1}" in sites
+    assert (ops["depth"] >= 0).all() and ops["depth"].is_unique
+
+
+def test_weights_are_bitwise_identical_with_and_without_ops() -> None:
+    torch.manual_seed(0)
+    base = encoder()
+    x = torch.randn(3, 5, 16)
+    results = []
+    for options in (None, {"ops": True}, {"escalate": True}):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if options is None:
+            for _ in range(3):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+        else:
+            with graddebug.watch(model, **options) as dbg:
+                for _ in range(3):
+                    opt.zero_grad()
+                    model(x).square().mean().backward()
+                    dbg.step()
+                    opt.step()
+            assert (dbg.frame()["kind"] == "op").any() == bool(options.get("ops"))
+        results.append([p.detach().clone() for p in model.parameters()])
+    for watched in results[1:]:
+        for a, b in zip(results[0], watched, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_ops_change_no_layer_level_row_or_finding() -> None:
+    torch.manual_seed(0)
+    base, x = encoder(), torch.randn(3, 5, 16)
+    frames = []
+    for ops in (False, True):
+        report = graddebug.check(copy.deepcopy(base), x, lambda o: o.square().sum(), ops=ops)
+        layer = report.frame()[report.frame()["kind"] != "op"]
+        frames.append((layer.drop(columns="depth").reset_index(drop=True),
+                       report.findings()[["layer", "issue"]]))
+    pd.testing.assert_frame_equal(frames[0][0], frames[1][0])
+    pd.testing.assert_frame_equal(frames[0][1], frames[1][1])
+
+
+# -- modes are always given back ---------------------------------------------------------------
+
+
+def test_no_mode_is_left_after_exit_or_an_exception() -> None:
+    model, x = FunctionalMLP(), torch.randn(2, 6)
+    with graddebug.watch(model, ops=True):
+        model(x).sum().backward()
+        assert no_modes()  # popped at the end of the forward pass
+    assert no_modes()
+
+    class Boom(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            torch.tanh(x)
+            raise ValueError("in forward")
+
+    boom = nn.Sequential(nn.Linear(6, 6), Boom())
+    with graddebug.watch(boom, ops=True):
+        with pytest.raises(ValueError, match="in forward"):
+            boom(x)
+        assert no_modes()
+    assert no_modes()
+    with pytest.raises(RuntimeError, match="in the block"), graddebug.watch(model, ops=True):
+        model(x)
+        raise RuntimeError("in the block")
+    assert no_modes()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_an_interrupted_forward_leaves_no_mode_after_exit() -> None:
+    class Interrupt(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            raise KeyboardInterrupt  # skips the always_call hooks
+
+    model = nn.Sequential(nn.Linear(3, 3), Interrupt())
+    with pytest.raises(KeyboardInterrupt), graddebug.watch(model, ops=True):
+        model(torch.randn(2, 3))
+    assert no_modes()
+
+
+def test_ops_outside_the_watched_forward_are_not_captured() -> None:
+    model, x = FunctionalMLP(), torch.randn(2, 6)
+    with graddebug.watch(model, ops=True) as dbg:
+        out = model(x)
+        loss = torch.log1p(out.square()).sum()  # the loss: outside the forward
+        loss.backward()
+        dbg.step()
+    ops = dbg.frame().query("kind == 'op'")
+    assert not ops["tensor"].str.startswith(("torch.log1p", "torch.Tensor.square")).any()
+    assert len(ops) == 8  # linear x3, gelu, tanh, mul, add, silu
+
+
+def test_every_skips_op_capture_too() -> None:
+    model, x = FunctionalMLP(), torch.randn(2, 6)
+    with graddebug.watch(model, ops=True, every=2) as dbg:
+        for _ in range(3):
+            model(x).sum().backward()
+            dbg.step()
+    ops = dbg.frame().query("kind == 'op'")
+    assert sorted(ops["step"].unique()) == [0, 2]
+
+
+# -- layers=, keep=, intervene= name op sites ------------------------------------------------------
+
+
+def test_intervene_and_layers_take_op_sites() -> None:
+    torch.manual_seed(0)
+    model, x = FunctionalMLP(), torch.randn(4, 6)
+    with graddebug.watch(model, ops=True, layers=["*torch.tanh@*"],
+                         intervene={"FunctionalMLP.torch.tanh@*": {"scale": 0.0}}) as dbg:
+        model(x).sum().backward()
+        dbg.step()
+    frame = dbg.frame()
+    assert frame["kind"].unique().tolist() == ["op"]
+    assert frame["tensor"].str.startswith("torch.tanh@").all()
+    assert frame["norm"].iloc[0] == 0.0 and frame["pre_norm"].iloc[0] > 0
+    # Scaling tanh's gradient to 0 leaves fc2 only the gradient of h's skip path: none.
+    assert float(model.fc2.weight.grad.abs().sum()) == 0.0
+
+
+def test_op_site_names_need_ops_and_must_match() -> None:
+    with pytest.raises(ConfigError, match="ops=True"):
+        graddebug.watch(FunctionalMLP(), keep=["FunctionalMLP.torch.tanh@*"])
+    with pytest.raises(ConfigError, match="ops=True"):
+        graddebug.watch(FunctionalMLP(), layers=["*torch.tanh@*"])
+    model = FunctionalMLP()
+    with pytest.raises(UnknownNameError, match=r"torch\.nope"), \
+            graddebug.watch(model, ops=True, keep=["*torch.nope@*"]):
+        model(torch.randn(2, 6)).sum().backward()
+
+
+@pytest.mark.parametrize("option", ["ops", "escalate"])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_ops_and_escalate_must_be_bools(option: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"{option}="):
+        graddebug.watch(FunctionalMLP(), **{option: value})
+    with pytest.raises(ConfigError, match=f"{option}="):
+        graddebug.check(FunctionalMLP(), torch.randn(2, 6), summed, **{option: value})
+
+
+def test_ops_need_a_model() -> None:
+    with pytest.raises(ConfigError, match="model"):
+        graddebug.watch(params={"w": torch.ones(2, requires_grad=True)}, ops=True)
+
+
+# -- the source line of findings -------------------------------------------------------------------
+
+
+ORIGINS = {
+    "log of a negative": (LogBlock, "nonfinite", "log-of-negative", "torch.log",
+                          "first operation whose output held NaN in the forward pass"),
+    "sqrt at 0": (SqrtBlock, "nonfinite", "sqrt-at-zero", "torch.sqrt",
+                  "the backward of torch.sqrt in 'block'"),
+    "detach in a block": (DetachBlock, "cut_graph", "detach-in-block", "torch.Tensor.detach",
+                          ".detach()"),
+    "no_grad around one line": (NoGradBlock, "cut_graph", "under-no-grad", "torch.Tensor.mul",
+                                "torch.no_grad()"),
+    "numpy round trip": (NumpyBlock, "cut_graph", "numpy-round-trip", "torch.Tensor.detach",
+                         ".numpy()"),
+}
+
+
+def findings_of(block: type[nn.Module], steps: int = 1, **options: Any) -> pd.DataFrame:
+    torch.manual_seed(0)
+    report = graddebug.check(Net(block()), torch.randn(3, 4), summed, steps=steps, **options)
+    return report.findings()
+
+
+@pytest.mark.parametrize("case", ORIGINS)
+def test_findings_name_the_op_and_its_line(case: str) -> None:
+    block, issue, marker, op, words = ORIGINS[case]
+    findings = findings_of(block, ops=True)
+    rows = findings[findings["issue"] == issue]
+    assert not rows.empty
+    assert (rows["source"].str.endswith(line_of(marker))).all(), rows["source"].tolist()
+    first = rows.iloc[0]
+    assert first["message"].count(op) >= 1 and words in first["message"], first["message"]
+    assert first["layer"] in ("block", "block.fc2")
+    if issue == "nonfinite":
+        assert first["tensor"].startswith(f"{op}@") and first["layer"] == "block"
+
+
+def test_cut_messages_name_both_sides() -> None:
+    findings = findings_of(DetachBlock, ops=True)
+    boundary = findings[findings["layer"] == "block.fc2"].iloc[0]["message"]
+    tanh = next(i for i, t in enumerate(SOURCE) if "h = torch.tanh(h)" in t) + 1
+    fc2 = next(i for i, t in enumerate(SOURCE) if "return self.fc2(h * 2.0)" in t) + 1
+    # Upstream, the op whose output was cut; downstream, the first op that used the cut values
+    # where a gradient was needed (h * 2.0 needs none: fc2's weight brings it back).
+    assert (f"between torch.tanh in 'block' ({shown(tanh)}) and "
+            f"torch.nn.functional.linear in 'block.fc2' ({shown(fc2)})" in boundary), boundary
+
+
+@pytest.mark.parametrize("case", ORIGINS)
+def test_without_ops_findings_are_unchanged_and_have_no_source(case: str) -> None:
+    block, issue, *_ = ORIGINS[case]
+    plain, pinned = findings_of(block), findings_of(block, ops=True)
+    assert (plain["source"] == "").all()
+    # A cut keeps its layers and gains a line; a NaN is named at the op, in the module it ran
+    # in, which the layer-level finding may only see downstream (a module with no rows).
+    keys = ["step", "layer", "issue"] if issue == "cut_graph" else ["step", "issue"]
+    assert plain[keys].values.tolist() == pinned[keys].values.tolist()
+    assert "Op-level" not in " ".join(plain["message"])
+    assert (pinned.loc[pinned["issue"] == issue, "source"] != "").all()
+
+
+@pytest.mark.parametrize("case", ORIGINS)
+def test_escalation_gets_the_line_from_the_next_recorded_step(case: str) -> None:
+    block, issue, marker, *_ = ORIGINS[case]
+    torch.manual_seed(0)
+    model, x = Net(block()), torch.randn(3, 4)
+    with graddebug.watch(model, escalate=True, every=2) as dbg:
+        for _ in range(6):
+            model.zero_grad()
+            model(x).sum().backward()
+            dbg.step()
+    frame = dbg.frame()
+    # Op-level capture ran in the next recorded step (2) only, not in the first or later ones.
+    assert sorted(frame.loc[frame["kind"] == "op", "step"].unique()) == [2]
+    rows = dbg.findings()
+    rows = rows[rows["issue"] == issue]
+    assert rows.iloc[0]["step"] == 0
+    assert rows.iloc[0]["source"].endswith(line_of(marker))
+
+
+def test_no_escalation_without_a_finding() -> None:
+    torch.manual_seed(0)
+    model = FunctionalMLP()
+    with graddebug.watch(model, escalate=True) as dbg:
+        for _ in range(3):
+            model(torch.randn(4, 6)).square().mean().backward()
+            dbg.step()
+    assert (dbg.frame()["kind"] != "op").all()
+    assert not any(m._forward_pre_hooks for m in model.modules() if m is not model)
+
+
+def test_escalation_after_a_nan_update_names_no_wrong_line() -> None:
+    """After an optimizer applied a NaN update, the first op to go non-finite is the first to
+    read the weights: the layer-level origin changed, and the finding keeps no source line."""
+    torch.manual_seed(0)
+    model, x = Net(SqrtBlock()), torch.randn(3, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with graddebug.watch(model, escalate=True) as dbg:
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            dbg.step()
+            opt.step()
+    assert (dbg.frame()["kind"] == "op").any()
+    nonfinite = dbg.findings().query("issue == 'nonfinite'").iloc[0]
+    assert nonfinite["source"] == "" and "Op-level" not in nonfinite["message"]
+
+
+def test_a_healthy_model_gives_no_finding_with_ops() -> None:
+    torch.manual_seed(0)
+    for build, batch, loss_fn in CASES.values():
+        report = graddebug.check(build(), batch(), loss_fn, steps=2, ops=True)
+        assert report.findings().query("issue in ('nonfinite', 'cut_graph')").empty
+
+
+def test_stop_gradient_tricks_are_no_cut_finding() -> None:
+    """A straight-through estimator detaches on purpose; its op_cut event explains nothing
+    and raises nothing."""
+
+    class StraightThrough(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.fc(x)
+            return h + (torch.round(h) - h).detach()
+
+    report = graddebug.check(Net(StraightThrough()), torch.randn(3, 4), summed, ops=True)
+    assert report.findings().query("issue == 'cut_graph'").empty
+    assert (report.events()["event"] == "op_cut").any()
+
+
+def test_source_survives_save_and_load(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    findings = findings_of(DetachBlock, ops=True)
+    torch.manual_seed(0)
+    report = graddebug.check(Net(DetachBlock()), torch.randn(3, 4), summed, ops=True)
+    report.save(tmp_path / "run")
+    loaded = graddebug.load(tmp_path / "run")
+    assert loaded.findings()["source"].tolist() == findings["source"].tolist()
+    assert loaded.events()["source"].tolist() == report.events()["source"].tolist()
+    assert (loaded.rediagnose()["source"] == findings["source"]).all()
+    assert math.isfinite(loaded.frame().query("kind == 'op'")["norm"].sum())
