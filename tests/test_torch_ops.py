@@ -222,8 +222,8 @@ def test_op_rows_equal_autograd_grad_on_the_intermediate_tensors(case: str) -> N
 
 
 def test_an_op_output_written_in_place_keeps_its_own_gradient() -> None:
-    """``h.mul_(3)`` right after ``h = x @ w``: the row of the matmul is the gradient of its
-    value, before the write (3x the gradient of ``h`` after it)."""
+    """``h.mul_(3)`` right after ``h = x @ w``, then ``F.relu(h, inplace=True)``: each op's row
+    is the gradient of the value it produced, before the next write over it."""
 
     class InPlace(nn.Module):
         def __init__(self) -> None:
@@ -233,18 +233,21 @@ def test_an_op_output_written_in_place_keeps_its_own_gradient() -> None:
         def forward(self, x: Tensor) -> Tensor:
             h = torch.mm(x, self.w)
             h.mul_(3.0)
+            F.relu(h, inplace=True)
             return h.tanh()
 
     torch.manual_seed(0)
     model, x = InPlace(), torch.randn(5, 4)
     ops, _ = watched_ops(model, x, summed)
     h = torch.mm(x, model.w)
-    after = h * 3.0
-    out = after.tanh()
-    before_grad, after_grad = torch.autograd.grad(out.sum(), [h, after])
+    tripled = h * 3.0
+    clipped = F.relu(tripled)
+    grads = torch.autograd.grad(clipped.tanh().sum(), [h, tripled, clipped])
     norms = dict(zip(ops["tensor"].str.split("@").str[0], ops["norm"], strict=True))
-    assert norms["torch.mm"] == pytest.approx(float(before_grad.norm()), rel=1e-6)
-    assert norms["torch.Tensor.mul_"] == pytest.approx(float(after_grad.norm()), rel=1e-6)
+    for op, grad in zip(["torch.mm", "torch.Tensor.mul_", "torch.nn.functional.relu"], grads,
+                        strict=True):
+        assert norms[op] == pytest.approx(float(grad.norm()), rel=1e-6), op
+    assert len({round(float(g.norm()), 6) for g in grads}) == 3  # three different gradients
 
 
 def test_kept_op_gradient_is_the_autograd_gradient() -> None:
@@ -351,6 +354,31 @@ def test_an_interrupted_forward_leaves_no_mode_after_exit() -> None:
     assert no_modes()
 
 
+def test_a_caught_interrupt_leaves_no_mode_for_the_next_forward() -> None:
+    class Interrupt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.armed = True
+
+        def forward(self, x: Tensor) -> Tensor:
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return torch.tanh(x)
+
+    model, x = nn.Sequential(nn.Linear(3, 3), Interrupt()), torch.randn(2, 3)
+    with graddebug.watch(model, ops=True) as dbg:
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        out = model(x)
+        assert no_modes()
+        out.exp().sum().backward()  # outside the forward: not an op row
+        dbg.step()
+    ops = dbg.frame().query("kind == 'op'")
+    assert sorted(op.split("@")[0] for op in ops["tensor"]) == [
+        "torch.nn.functional.linear", "torch.tanh"]
+
+
 def test_ops_outside_the_watched_forward_are_not_captured() -> None:
     model, x = FunctionalMLP(), torch.randn(2, 6)
     with graddebug.watch(model, ops=True) as dbg:
@@ -433,7 +461,7 @@ ORIGINS = {
 }
 
 
-def findings_of(block: type[nn.Module], steps: int = 1, **options: Any) -> pd.DataFrame:
+def findings_of(block: Callable[[], nn.Module], steps: int = 1, **options: Any) -> pd.DataFrame:
     torch.manual_seed(0)
     report = graddebug.check(Net(block()), torch.randn(3, 4), summed, steps=steps, **options)
     return report.findings()
@@ -451,6 +479,20 @@ def test_findings_name_the_op_and_its_line(case: str) -> None:
     assert first["layer"] in ("block", "block.fc2")
     if issue == "nonfinite":
         assert first["tensor"].startswith(f"{op}@") and first["layer"] == "block"
+
+
+def test_ops_in_parameter_free_modules_keep_their_line() -> None:
+    """Modules without parameters of their own run under graddebug's value-flow mode too;
+    the op's line is still the user's."""
+
+    class Log(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.log(x - 10.0)  # log-in-parameter-free
+
+    findings = findings_of(Log, ops=True)
+    (row,) = findings.query("issue == 'nonfinite'").itertuples()
+    assert row.layer == "block" and row.source == shown(int(line_of(
+        "log-in-parameter-free").rpartition(":")[2]))
 
 
 def test_cut_messages_name_both_sides() -> None:

@@ -14,6 +14,14 @@ first frame outside torch and graddebug, taken once per site and cached. Two sit
 share a name (two ``torch.add`` on one line) get ``:2``, ``:3`` appended. Sites are told apart by
 the code object and instruction of their caller, so a loop over one site is one site.
 
+Most op outputs are also a layer's output (``F.linear`` inside ``nn.Linear``): measuring the
+same gradient twice would double the cost of capture. So an op output is held until the module
+it ran in returns; if it is the output of a watched layer, the op's row is a copy of the layer's
+row, measured once; otherwise the op output gets a tensor hook and a finiteness check of its
+own then. A held output that is about to be written in place (``add_``, ``x[i] = v``,
+``F.relu(x, inplace=True)``) is hooked first, so that its row stays the gradient of the value
+the op produced. At most :data:`_MAX_PENDING` outputs are held per running module.
+
 Besides statistics, the mode follows how values flow, for the op-level events of
 :mod:`graddebug.records`: which op produced each input (to find the op whose backward turned a
 finite gradient into NaN), and where the graph was cut (``.detach()``, ``.data``, an op run
@@ -34,6 +42,7 @@ of the adapter split out of :mod:`graddebug_torch.adapter`.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import weakref
@@ -217,10 +226,28 @@ _INPLACE_DUNDERS = frozenset({
 })
 
 
-def _writes(func: Any) -> bool:
-    """Whether ``func`` writes into its first argument (``add_``, ``x[i] = v``)."""
+@functools.cache
+def _inplace_at(func: Any) -> int:
+    """The position of an ``inplace`` parameter of ``func`` (``F.relu``), else -1."""
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return -1
+    return names.index("inplace") if "inplace" in names else -1
+
+
+def _writes(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``x[i] = v``,
+    ``F.relu(x, inplace=True)``)."""
     name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+    if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS:
+        return True
+    at = _inplace_at(func)
+    if at < 0:
+        return False
+    flag = kwargs["inplace"] if kwargs and "inplace" in kwargs else (
+        args[at] if len(args) > at else False)
+    return flag is True
 
 
 class _OpMode(TorchFunctionMode):
@@ -234,17 +261,23 @@ class _OpMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        if func in _PASS:  # most calls: metadata, and graddebug's own hooks
+            return func(*args, **(kwargs or {}))
         if self._pending:
             # An op output held for later hooking is about to be written in place: hook it
             # now, or its row would be the gradient of the value written over it.
             out_arg = kwargs.get("out") if kwargs else None
             if out_arg is not None:
                 self._flush(out_arg)
-            if args and id(args[0]) in self._pending and _writes(func):
-                self._flush(args[0])
+            if args:
+                target = args[0]
+                base = getattr(target, "_base", None)  # writing into a view writes its base
+                if (id(target) in self._pending or id(base) in self._pending) and _writes(
+                        func, args, kwargs):
+                    self._flush(target)
+                    self._flush(base)
         out = func(*args, **(kwargs or {}))
-        if func not in _PASS:
-            self._on_op(func, args, kwargs, out)
+        self._on_op(func, args, kwargs, out)
         return out
 
 
@@ -272,7 +305,6 @@ class OpCapture:
         self._pending: list[list[_Pending]] = []  # per entry of _stack
         self._pending_ids: dict[int, _Pending] = {}
         self._mode: _OpMode | None = None
-        self._nested = 0
         self._recording = False
         self._guard = adapter._fail_open("op-level capture")
         self._step = _Step()
@@ -337,8 +369,10 @@ class OpCapture:
 
     def _begin(self, module: nn.Module, args: Any) -> None:
         if self._mode is not None:
-            self._nested += 1  # the root called inside its own forward
-            return
+            # A forward interrupted by a BaseException (KeyboardInterrupt, caught by the
+            # loop) skipped _end. (A root module that calls itself ends the outer capture
+            # here too: a rare model, which loses its outer ops, never a stale mode.)
+            self._leave()
         with self._guard:
             ctx = self._adapter._ctx
             if not torch.is_grad_enabled() or in_functorch_transform():
@@ -361,9 +395,6 @@ class OpCapture:
             self._mode = mode
 
     def _end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._nested:
-            self._nested -= 1
-            return
         if self._mode is None:
             return
         try:
@@ -379,7 +410,6 @@ class OpCapture:
         """Pop the mode (and any mode an interrupted forward left above it); forget the
         forward pass; drop the module hooks escalation added for it."""
         mode, self._mode = self._mode, None
-        self._nested = 0
         if mode is not None and any(m is mode for m in
                                     torch.overrides._get_current_function_mode_stack()):
             while torch.overrides._pop_mode() is not mode:
