@@ -495,6 +495,38 @@ def test_ops_in_parameter_free_modules_keep_their_line() -> None:
         "log-in-parameter-free").rpartition(":")[2]))
 
 
+class Masked(nn.Module):
+    """Causal attention scores filled with -inf before the softmax: -inf by design."""
+
+    def __init__(self, poison: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.poison = poison
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = x @ x.transpose(0, 1)
+        causal = torch.ones(len(x), len(x), dtype=torch.bool).triu(1)
+        weights = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        h = self.fc(weights @ x)
+        if self.poison:
+            h = torch.log(h.abs().neg() - 1.0)  # poison-after-mask
+        return h
+
+
+def test_minus_inf_masks_are_no_finding_with_ops() -> None:
+    torch.manual_seed(0)
+    report = graddebug.check(Net(Masked()), torch.randn(3, 4), summed, steps=2, ops=True)
+    assert report.findings().query("issue == 'nonfinite'").empty
+    assert not report.events()["event"].str.startswith("op_").any()  # nothing to pin down
+
+
+def test_the_nan_after_a_mask_is_named_not_the_mask() -> None:
+    findings = findings_of(lambda: Masked(poison=True), ops=True)
+    (row,) = findings.query("issue == 'nonfinite'").itertuples()
+    assert row.tensor.startswith("torch.log@") and row.source.endswith(
+        line_of("poison-after-mask"))
+
+
 def test_cut_messages_name_both_sides() -> None:
     findings = findings_of(DetachBlock, ops=True)
     boundary = findings[findings["layer"] == "block.fc2"].iloc[0]["message"]

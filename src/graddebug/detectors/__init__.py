@@ -93,10 +93,6 @@ def _with_ranks(found: list[Finding], records: pd.DataFrame, events: pd.DataFram
     return out
 
 
-_FORWARD_NONFINITE = frozenset({EventKind.FORWARD_NONFINITE.value,
-                                EventKind.OP_NONFINITE.value})
-
-
 @dataclass(frozen=True, eq=False)
 class Evidence:
     """What detectors look at.
@@ -132,14 +128,17 @@ class Evidence:
 
     @functools.cached_property
     def nonfinite_steps(self) -> frozenset[int]:
-        """Steps where some gradient or some layer (or op) output held NaN or Inf."""
-        events = self.events
+        """Steps where some gradient or some layer output held NaN or Inf.
+
+        Op rows and op-level events do not count: an op may hold -inf by design (an attention
+        mask) where every layer stays finite.
+        """
+        records, events = self.records, self.events
         steps: set[Any] = set()
-        for rows in (self.records, self.ops):
-            if len(rows):
-                steps |= set(rows.loc[rows["nan"] | rows["inf"], "step"])
+        if len(records):
+            steps |= set(records.loc[records["nan"] | records["inf"], "step"])
         if len(events):
-            steps |= set(events.loc[events["event"].isin(_FORWARD_NONFINITE), "step"])
+            steps |= set(events.loc[events["event"] == EventKind.FORWARD_NONFINITE.value, "step"])
         return frozenset(int(s) for s in steps)
 
     @functools.cached_property

@@ -39,7 +39,9 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     if skipped:
         op_events = op_events[(op_events["event"] == _OP_FORWARD)
                               | ~op_events["step"].isin(skipped)]
-    steps = sorted(set(bad_rows["step"]) | set(forward["step"]) | set(op_events["step"]))
+    # Op-level events only pin a layer-level finding down: an op may hold -inf by design (an
+    # attention mask) where every layer stays finite.
+    steps = sorted(set(bad_rows["step"]) | set(forward["step"]))
     # Only the first broken step has a meaningful origin: once an optimizer applies a NaN
     # update, every later step is NaN everywhere.
     for step in steps:
@@ -72,13 +74,9 @@ def _op_origin(step: int, origin: Finding | None, op_events: pd.DataFrame,
     the same layer-level origin recurred: once a NaN update has reached the weights, the first
     operation to go non-finite is merely the first to read them.
     """
-    if op_events.empty:
+    if op_events.empty or origin is None:
         return None
-    if origin is None:  # only op rows and op events show it
-        here = op_events[op_events["step"] == step]
-        born_forward = bool((here["event"] == _OP_FORWARD).any())
-    else:
-        born_forward = not forward[forward["step"] == step].empty
+    born_forward = not forward[forward["step"] == step].empty
     for at in sorted({int(s) for s in op_events["step"] if s >= step}):
         if at != step:
             again = _layer_origin(at, bad_rows, forward, records)

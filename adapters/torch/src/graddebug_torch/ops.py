@@ -673,12 +673,13 @@ class OpCapture:
                      if e.event == _FORWARD_NONFINITE}
         events = [e for e in result.events
                   if e.event != _FORWARD_NONFINITE or (e.layer, e.tensor) not in used]
-        first = next((c for c in step.checks if c[1] in nonfinite), None)
-        if first is not None:
-            site = first[0]
+        # Only where a layer's output went non-finite: -inf in an op alone is by design.
+        layer_broke = any(key not in used for key in nonfinite)
+        birth = _forward_birth(step, nonfinite) if layer_broke else None
+        if birth is not None:
+            site, detail = birth
             events.append(Event(index, site.spec.name, site.tensor, site.depth,
-                                EventKind.OP_NONFINITE.value, nonfinite[first[1]],
-                                source=site.source))
+                                EventKind.OP_NONFINITE.value, detail, source=site.source))
         else:
             events += _backward_births(index, rows, step.consumers)
         for cut in step.cuts:
@@ -699,6 +700,48 @@ def _cause(func: Any) -> str | None:
         return "inference_mode"
     if not torch.is_grad_enabled():
         return "no_grad"
+    return None
+
+
+def _forward_birth(step: _Step, nonfinite: dict[tuple[str, str], str]
+                   ) -> tuple[OpSite, str] | None:
+    """The op where the NaN/Inf that reached a layer's output was born in the forward pass.
+
+    A birth is an op whose output was non-finite while the outputs of the ops that fed it were
+    finite. Not every birth is a fault: an attention mask filled with -inf is non-finite by
+    design, and the softmax after it is finite again. So the op named is the first birth, in
+    call order, whose non-finite values reach the output of a layer that went non-finite
+    (else, where no op's output is a layer's, the last non-finite op of the step).
+
+    Args:
+        step: The step's op-level state.
+        nonfinite: The ``(layer, tensor)`` keys whose forward check was not finite, with
+            ``"NaN"`` or ``"Inf"``.
+
+    Returns:
+        The op site and what its output held; None where no birth reaches such an output.
+    """
+    bad: dict[OpSite, str] = {}
+    for site, key in step.checks:
+        if key in nonfinite and site not in bad:
+            bad[site] = nonfinite[key]
+    if not bad:
+        return None
+    feeds = {p: [c for c in users if c in bad and c is not p]
+             for p, users in step.consumers.items() if p in bad}
+    fed = {c for users in feeds.values() for c in users}
+    targets = {site for site, key in step.aliases.items() if key in nonfinite} or {
+        list(bad)[-1]}
+    for birth in (s for s in bad if s not in fed):
+        seen, todo = {birth}, [birth]
+        while todo:
+            site = todo.pop()
+            if site in targets:
+                return birth, bad[birth]
+            for user in feeds.get(site, ()):
+                if user not in seen:
+                    seen.add(user)
+                    todo.append(user)
     return None
 
 
