@@ -127,6 +127,18 @@ def _display(filename: str) -> str:
     return filename if relative.startswith(os.pardir) else relative
 
 
+def _arguments(args: Any, kwargs: Any) -> list[Tensor]:
+    """The tensors among an op's arguments, and in lists of them (``torch.cat``): one level
+    deep, without a generator per level (this runs for every op of the forward pass)."""
+    found = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [v for v in value if isinstance(v, Tensor)]
+    return found
+
+
 def _tensors(value: Any) -> Iterator[Tensor]:
     if isinstance(value, Tensor):
         yield value
@@ -258,10 +270,12 @@ class _OpMode(TorchFunctionMode):
         self._on_op = capture._on_op
         self._pending = capture._pending_ids  # the same dict for the mode's life
         self._flush = capture._flush
+        self._frames = capture._frames
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if func in _PASS:  # most calls: metadata, and graddebug's own hooks
+        if func in _PASS or self._frames.get(sys._getframe(1).f_code) == _OWN:
+            # Most calls: metadata, and what graddebug's own hooks compute.
             return func(*args, **(kwargs or {}))
         if self._pending:
             # An op output held for later hooking is about to be written in place: hook it
@@ -489,7 +503,8 @@ class OpCapture:
                 return  # graddebug's own hooks
             site = self._site(func, caller)
             if self._recording:
-                self._follow(func, site, (args, kwargs), (out,) if is_tensor else out)
+                self._follow(func, site, _arguments(args, kwargs),
+                             (out,) if is_tensor else out)
             elif site.spec.intervention is not None:
                 for tensor in _tensors(out):
                     self._adapter._intervene_unrecorded(tensor, site.spec.intervention,
@@ -547,7 +562,7 @@ class OpCapture:
         return OpSite(spec, tensor, op, f"{_display(filename)}:{line}", spec.depth,
                       captured=in_scope or bool(chosen or keep or intervene))
 
-    def _follow(self, func: Any, site: OpSite, inputs: Any, outputs: Any) -> None:
+    def _follow(self, func: Any, site: OpSite, inputs: list[Tensor], outputs: Any) -> None:
         """Record ``site``'s outputs and follow the values from its inputs to its outputs."""
         step = self._step
         producers, cut_values = self._producers, self._cut_values
@@ -555,7 +570,7 @@ class OpCapture:
         upstream: OpSite | None = None
         cut_in: _Cut | None = None
         unknown = False
-        for t in _tensors(inputs):
+        for t in inputs:
             if t.requires_grad:
                 known = producers.get(id(t))
                 producer = known[1] if known is not None and known[0]() is t else None
