@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from torch.nn import functional as F  # noqa: E402
 from torch.overrides import TorchFunctionMode, resolve_name  # noqa: E402
 
 import graddebug  # noqa: E402
-from graddebug.errors import ConfigError, UnknownNameError  # noqa: E402
+from graddebug.errors import ConfigError, GradDebugWarning, UnknownNameError  # noqa: E402
 
 HERE = Path(__file__)
 SOURCE = HERE.read_text().splitlines()
@@ -377,6 +378,23 @@ def test_a_caught_interrupt_leaves_no_mode_for_the_next_forward() -> None:
     ops = dbg.frame().query("kind == 'op'")
     assert sorted(op.split("@")[0] for op in ops["tensor"]) == [
         "torch.nn.functional.linear", "torch.tanh"]
+
+
+def test_a_compiled_model_trains_on_with_ops_and_a_warning() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+    compiled = torch.compile(model, backend="eager")
+    # Other warnings about compiled models may come too: only this one is asserted.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with graddebug.watch(compiled, ops=True) as dbg:
+            for _ in range(2):
+                compiled(torch.randn(3, 4)).sum().backward()
+                dbg.step()
+    assert any(issubclass(w.category, GradDebugWarning) and "ops=True" in str(w.message)
+               and "torch.compile" in str(w.message) for w in caught)
+    assert no_modes()
+    assert (dbg.frame()["kind"] == "parameter").any()
+    assert dbg.findings().query("issue == 'internal_error'").empty
 
 
 def test_ops_outside_the_watched_forward_are_not_captured() -> None:

@@ -338,6 +338,8 @@ class OpCapture:
         root = self._adapter._root
         if not self.enabled or root is None:
             return
+        if _compiled(self._adapter._model):
+            self._adapter._ctx.warn_once("ops-compile", COMPILE_WARNING)
         self._scope = self._scopes(root)
         self._handles = [
             root.register_forward_pre_hook(self._begin),
@@ -382,6 +384,8 @@ class OpCapture:
     # -- the forward pass ------------------------------------------------------------------
 
     def _begin(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # dynamo cannot trace the mode: compiled forwards run without it
         if self._mode is not None:
             # A forward interrupted by a BaseException (KeyboardInterrupt, caught by the
             # loop) skipped _end. (A root module that calls itself ends the outer capture
@@ -409,7 +413,7 @@ class OpCapture:
             self._mode = mode
 
     def _end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._mode is None:
+        if self._mode is None or torch.compiler.is_compiling():
             return
         try:
             with self._guard:
@@ -441,12 +445,12 @@ class OpCapture:
             self._module_handles.clear()
 
     def _push(self, entry: tuple[str, bool, bool], module: nn.Module, args: Any) -> None:
-        if self._mode is not None:
+        if self._mode is not None and not torch.compiler.is_compiling():
             self._stack.append(entry)
             self._pending.append([])
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._mode is None or len(self._stack) <= 1:
+        if self._mode is None or len(self._stack) <= 1 or torch.compiler.is_compiling():
             return
         name = self._stack.pop()[0]
         with self._guard:
@@ -702,6 +706,25 @@ class OpCapture:
                 events.append(_cut_event(index, cut))
         result.events[:] = events
         return result
+
+
+COMPILE_WARNING = (
+    "graddebug: ops=True (or escalate=True) records the operations of eager forward passes "
+    "only; the operations of a torch.compile'd model run inside dynamo's graphs, where no "
+    "op-level rows or source lines are recorded. Layer-level capture goes on as usual; for "
+    "op-level capture, run the model uncompiled while debugging."
+)
+
+
+def _compiled(model: Any) -> bool:
+    """Whether ``model`` is, or wraps (DDP), a ``torch.compile``d module."""
+    seen: set[int] = set()
+    while isinstance(model, nn.Module) and id(model) not in seen:
+        seen.add(id(model))
+        if type(model).__name__ == "OptimizedModule":
+            return True
+        model = getattr(model, "module", None)
+    return False
 
 
 def _cause(func: Any) -> str | None:
