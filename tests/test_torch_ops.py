@@ -457,9 +457,29 @@ def test_ops_and_escalate_must_be_bools(option: str, value: object) -> None:
         graddebug.check(FunctionalMLP(), torch.randn(2, 6), summed, **{option: value})
 
 
-def test_ops_need_a_model() -> None:
-    with pytest.raises(ConfigError, match="model"):
-        graddebug.watch(params={"w": torch.ones(2, requires_grad=True)}, ops=True)
+@pytest.mark.parametrize("option", ["ops", "escalate"])
+def test_ops_need_a_model(option: str) -> None:
+    with pytest.raises(ConfigError, match=f"{option}=True .* no model"):
+        graddebug.watch(params={"w": torch.ones(2, requires_grad=True)}, **{option: True})
+
+
+def test_op_rows_of_several_ranks_combine_like_activation_rows() -> None:
+    """Each rank's op rows hold its own slice of the batch, as activation rows do: their
+    norms combine over ranks (parameter rows are the same gradient on every rank)."""
+    from graddebug.frames import combine_ranks, record_frame
+    from graddebug.records import Record
+
+    def row(kind: str, rank: int) -> Record:
+        return Record.from_sums(0, "block", "torch.log@m.py:3" if kind == "op" else "weight",
+                                kind, 0, "(2,)", 2, norm=3.0, total=0.0, absmax=2.0,
+                                zero_frac=0.0, nan=False, inf=False, rank=rank)
+
+    combined = combine_ranks(record_frame([row(k, r) for k in ("op", "parameter")
+                                           for r in (0, 1)]))
+    by_kind = combined.set_index("kind")
+    assert by_kind.loc["op", "norm"] == pytest.approx(3.0 * math.sqrt(2))
+    assert by_kind.loc["op", "numel"] == 4
+    assert by_kind.loc["parameter", "norm"] == 3.0
 
 
 # -- the source line of findings -------------------------------------------------------------------
