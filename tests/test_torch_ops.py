@@ -397,6 +397,28 @@ def test_a_compiled_model_trains_on_with_ops_and_a_warning() -> None:
     assert dbg.findings().query("issue == 'internal_error'").empty
 
 
+def test_a_bug_in_op_capture_is_an_internal_error_not_a_crash(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from graddebug_torch import ops
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a bug in op capture")
+
+    monkeypatch.setattr(ops.OpCapture, "_follow", broken)
+    model, x = FunctionalMLP(), torch.randn(2, 6)
+    with pytest.warns(graddebug.GradDebugWarning, match="internal error"), \
+            graddebug.watch(model, ops=True) as dbg:
+        model(x).sum().backward()
+        dbg.step()
+    assert no_modes()
+    assert (dbg.findings()["issue"] == "internal_error").any()
+    assert (dbg.frame()["kind"] == "activation").any()  # layer-level capture went on
+    with pytest.raises(graddebug.GradDebugInternalError), \
+            graddebug.watch(model, ops=True, strict=True):
+        model(x)
+    assert no_modes()
+
+
 def test_ops_outside_the_watched_forward_are_not_captured() -> None:
     model, x = FunctionalMLP(), torch.randn(2, 6)
     with graddebug.watch(model, ops=True) as dbg:

@@ -271,6 +271,7 @@ class _OpMode(TorchFunctionMode):
         self._pending = capture._pending_ids  # the same dict for the mode's life
         self._flush = capture._flush
         self._frames = capture._frames
+        self._guard = capture._guard
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -280,16 +281,17 @@ class _OpMode(TorchFunctionMode):
         if self._pending:
             # An op output held for later hooking is about to be written in place: hook it
             # now, or its row would be the gradient of the value written over it.
-            out_arg = kwargs.get("out") if kwargs else None
-            if out_arg is not None:
-                self._flush(out_arg)
-            if args:
-                target = args[0]
-                base = getattr(target, "_base", None)  # writing into a view writes its base
-                if (id(target) in self._pending or id(base) in self._pending) and _writes(
-                        func, args, kwargs):
-                    self._flush(target)
-                    self._flush(base)
+            with self._guard:
+                out_arg = kwargs.get("out") if kwargs else None
+                if out_arg is not None:
+                    self._flush(out_arg)
+                if args:
+                    target = args[0]
+                    base = getattr(target, "_base", None)  # a view's write is its base's
+                    if (id(target) in self._pending or id(base) in self._pending) and _writes(
+                            func, args, kwargs):
+                        self._flush(target)
+                        self._flush(base)
         out = func(*args, **(kwargs or {}))
         self._on_op(func, args, kwargs, out)
         return out
@@ -313,7 +315,7 @@ class OpCapture:
         self._handles: list[RemovableHandle] = []
         self._module_handles: list[RemovableHandle] = []
         self._frames: dict[CodeType, int] = {}
-        self._sites: dict[tuple[str, Any, CodeType, int], OpSite | None] = {}
+        self._sites: dict[tuple[str, Any, CodeType, int], OpSite] = {}
         self._taken: set[tuple[str, str]] = set()
         self._stack: list[tuple[str, bool, bool]] = []
         self._pending: list[list[_Pending]] = []  # per entry of _stack
