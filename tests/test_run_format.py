@@ -55,9 +55,13 @@ def test_runs_of_format_1_load_with_their_frames(run_dir: Path) -> None:
     for name, method in (("frame", report.frame), ("events", report.events),
                          ("findings", report.findings)):
         got = method()
-        # Format 1 came from one process; the rank column appended since reads as 0.
-        assert list(got.columns)[-1] == "rank" and (got["rank"] == 0).all(), name
-        got = got.drop(columns="rank")
+        # Format 1 came from one process and knew no source lines: the columns appended since
+        # read as rank 0 and, for events and findings, an empty source.
+        appended = ["rank"] if name == "frame" else ["rank", "source"]
+        assert list(got.columns)[-len(appended):] == appended, name
+        assert (got["rank"] == 0).all(), name
+        assert name == "frame" or (got["source"] == "").all(), name
+        got = got.drop(columns=appended)
         assert {c: str(t) for c, t in got.dtypes.items()} == want["dtypes"][name], name
         pd.testing.assert_frame_equal(got, from_json(want[name], want["dtypes"][name]),
                                       check_exact=False, rtol=1e-12, obj=name)
@@ -71,6 +75,15 @@ def test_loaded_columns_follow_the_schema(run_dir: Path) -> None:
     assert columns == list(RECORD_COLUMNS)
     assert tuple(report.events().columns) == EVENT_COLUMNS
     assert tuple(report.findings().columns) == FINDING_COLUMNS
+
+
+@pytest.mark.parametrize("run_dir", ["saved_nan"], indirect=True)
+def test_old_findings_rediagnosed_have_no_source(run_dir: Path) -> None:
+    report = graddebug.load(run_dir)
+    found = report.rediagnose()
+    assert not found.empty and (found["source"] == "").all()
+    assert found[["step", "layer", "issue"]].values.tolist() \
+        == report.findings()[["step", "layer", "issue"]].values.tolist()
 
 
 def test_what_the_fixtures_hold() -> None:

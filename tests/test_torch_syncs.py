@@ -63,6 +63,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "parameters only": {"outputs": False},
     "full parameter statistics": {"param_stats": "full"},
     "clipped": {"intervene": {"0": {"clip_norm": 1e-3}}},
+    "op-level capture": {"ops": True},
 }
 
 
@@ -108,3 +109,31 @@ def test_no_sync_on_steps_every_skips(name: str, syncs: Counter[str]) -> None:
 
 def test_one_sync_when_the_optimizer_closes_the_step(syncs: Counter[str]) -> None:
     assert run("mlp", {}, syncs, by_optimizer=True) == [(0, 1)] * 4
+
+
+class _Detached(nn.Module):
+    """A cut graph: every step has a cut_graph finding, so escalate=True captures ops once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)).detach())
+
+
+def test_one_sync_per_step_when_escalation_captures_ops(syncs: Counter[str]) -> None:
+    torch.manual_seed(0)
+    model, x = _Detached(), torch.randn(4, 8)
+    seen = []
+    with graddebug.watch(model, escalate=True) as dbg:
+        for _ in range(3):
+            syncs.clear()
+            model(x).square().mean().backward()
+            training = sum(syncs.values())
+            syncs.clear()
+            dbg.step()
+            seen.append((training, sum(syncs.values())))
+    frame = dbg.frame()
+    assert frame.loc[frame["kind"] == "op", "step"].unique().tolist() == [1]  # it escalated
+    assert seen == [(0, 1)] * 3, dict(syncs)

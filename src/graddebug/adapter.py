@@ -58,6 +58,13 @@ class WatchOptions:
             divides recorded statistics by the scale of each backward pass and reports the
             steps the scaler skips (an :attr:`~graddebug.records.EventKind.SKIPPED_STEP`
             event) instead of their overflowed gradients as faults.
+        ops: Op-level capture on every recorded step: the gradient at the output of each
+            operation of the forward pass (rows of kind ``"op"``), and the op-level events
+            that name the operation and source line behind NaN/Inf and cut graphs.
+        escalate: Op-level capture on the next recorded step after a layer-level
+            ``nonfinite`` or ``cut_graph`` finding (``WatchContext.capture_ops`` says when).
+        op_sites: Op-site names or globs (``"block.torch.log@*"``) that ``layers=`` asks for,
+            besides its layers; op sites are named ``<layer>.<op>@<file>:<line>``.
     """
 
     layers: Sequence[Any] | None = None
@@ -68,11 +75,15 @@ class WatchOptions:
     optimizer: Any = None
     every: int = 1
     scaler: Any = None
+    ops: bool = False
+    escalate: bool = False
+    op_sites: frozenset[str] = frozenset()
 
     @property
     def named(self) -> set[str]:
-        """The names that ``keep=`` and ``intervene=`` ask for."""
-        return set(self.keep) | set(self.intervene)
+        """The names that ``keep=`` and ``intervene=`` ask for, and the op sites ``layers=``
+        asks for: each must match something by the end of the run."""
+        return set(self.keep) | set(self.intervene) | set(self.op_sites)
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,12 @@ class WatchContext(Protocol):
     @property
     def recording(self) -> bool:
         """Whether the current step is recorded (``every=`` skips the others)."""
+
+    @property
+    def capture_ops(self) -> bool:
+        """Whether op-level capture runs in the open step: on every recorded step with
+        ``ops=True``; with ``escalate=True``, on the recorded step after a layer-level
+        ``nonfinite`` or ``cut_graph`` finding."""
 
     @property
     def step_index(self) -> int:

@@ -116,7 +116,8 @@ def combine_ranks(records: pd.DataFrame) -> pd.DataFrame:
     """
     if records.empty or records["rank"].nunique() <= 1:
         return records
-    is_act = (records["kind"] == Kind.ACTIVATION.value).to_numpy()
+    # Op rows, like activation rows, hold each rank's own slice of the batch.
+    is_act = (records["kind"] != Kind.PARAMETER.value).to_numpy()
     act, par = records[is_act], records[~is_act]
     par = (par.sort_values("rank", kind="stable")
            .drop_duplicates(_KEYS).assign(rank=ALL_RANKS))
@@ -201,10 +202,14 @@ def summary_frame(records: pd.DataFrame, findings: pd.DataFrame) -> pd.DataFrame
 def with_rank(frame: pd.DataFrame, columns: Sequence[str]) -> list[str]:
     """The columns of a table of ``frame``: ``columns``, with ``rank`` after the first one when
     some row of ``frame`` comes from a rank other than 0 (a multi-rank run); in one process
-    every rank is 0 and the table leaves it out."""
-    shown = [c for c in columns if c != "rank"]
+    every rank is 0 and the table leaves it out. Likewise ``source`` (of findings) is shown
+    only when some row has one, just before ``message``, which stays the last column."""
+    shown = [c for c in columns if c not in ("rank", "source")]
     if "rank" in frame and len(frame) and bool((frame["rank"] != 0).any()):
         shown.insert(1, "rank")
+    if "source" in frame and len(frame) and bool((frame["source"] != "").any()):
+        at = shown.index("message") if "message" in shown else len(shown)
+        shown.insert(at, "source")
     return shown
 
 

@@ -39,6 +39,9 @@ class Kind(str, Enum):
     """The gradient at a layer's output or at a tap."""
     PARAMETER = "parameter"
     """The gradient of a parameter (a weight, a bias, a ``params=`` entry)."""
+    OP = "op"
+    """The gradient at the output of one operation inside a forward pass (``ops=True``): its
+    ``layer`` is the module it ran in, its ``tensor`` names the op site (``op@file:line``)."""
 
 
 class Record(NamedTuple):
@@ -48,8 +51,9 @@ class Record(NamedTuple):
         step: Index of the step, counted from 0 by ``Watcher.step()``.
         layer: Torch qualified module name, Keras layer name, tap name, or ``params=`` key.
         tensor: ``"output"`` (``"output.0"``, ``"output.key"`` for tuple or dict outputs) for an
-            activation gradient; the parameter's short name (``"weight"``) for a parameter.
-        kind: ``"activation"`` or ``"parameter"``.
+            activation gradient; the parameter's short name (``"weight"``) for a parameter;
+            the op site (``"torch.log@model.py:42"``) for an op.
+        kind: ``"activation"``, ``"parameter"`` or ``"op"``.
         depth: Forward-order index of the layer (-1 when the layer never ran forward).
         shape: The gradient's shape, as ``str(tuple)``.
         numel: Number of elements.
@@ -158,12 +162,25 @@ class EventKind(str, Enum):
     in the scaled gradients and skipped the optimizer step. ``detail`` is
     ``"scale=<the loss scale of that backward pass>"``; the step's gradients are overflowed
     by design, not a fault of the model, until the overflow persists."""
+    OP_NONFINITE = "op_nonfinite"
+    """Op-level capture: the first operation of the step, in call order, whose output held NaN
+    or Inf in the forward pass (``detail`` is ``"NaN"`` or ``"Inf"``)."""
+    OP_GRAD_NONFINITE = "op_grad_nonfinite"
+    """Op-level capture: an operation whose backward turned a finite gradient into NaN or Inf:
+    the gradient at its output was finite, the one it passed on to an input was not.
+    ``detail`` says what appeared and where it went (the input's op site and module)."""
+    OP_CUT = "op_cut"
+    """Op-level capture: an operation through which the graph was cut (``.detach()``,
+    ``.data``, a ``no_grad`` or ``inference_mode`` block, values leaving torch through
+    ``.numpy()``), whose result was used downstream. ``detail`` names the cause and the op
+    sites on both sides."""
 
 
 class Event(NamedTuple):
     """One structural fact about one tensor at one step (``rank`` as in :class:`Record`;
     a step-wide event such as :attr:`EventKind.SKIPPED_STEP` has empty ``layer`` and
-    ``tensor`` and depth -1)."""
+    ``tensor`` and depth -1). ``source`` is the ``file:line`` of the user's code behind an
+    op-level event; empty for the others."""
 
     step: int
     layer: str
@@ -172,13 +189,14 @@ class Event(NamedTuple):
     event: str
     detail: str = ""
     rank: int = 0
+    source: str = ""
 
 
 EVENT_COLUMNS: tuple[str, ...] = Event._fields
 
 EVENT_DTYPES: dict[str, str] = {
     "step": _I64, "layer": _OBJ, "tensor": _OBJ, "depth": _I64, "event": _OBJ, "detail": _OBJ,
-    "rank": _I64,
+    "rank": _I64, "source": _OBJ,
 }
 """The pandas dtype of every :class:`Event` field."""
 
@@ -229,6 +247,9 @@ class Finding(NamedTuple):
         rank: The rank whose rows show the problem: for a ``nonfinite`` finding the rank
             where the NaN or Inf was born. 0 in one process; :data:`ALL_RANKS` where a
             multi-rank run's combined rows show it.
+        source: ``file:line`` of the operation behind a ``nonfinite`` or ``cut_graph``
+            finding, where op-level capture saw it (``ops=True``, or ``escalate=True``); else
+            empty.
     """
 
     step: int
@@ -240,12 +261,13 @@ class Finding(NamedTuple):
     threshold: float
     message: str
     rank: int = 0
+    source: str = ""
 
 
 FINDING_COLUMNS: tuple[str, ...] = Finding._fields
 
 FINDING_DTYPES: dict[str, str] = {
     "step": _I64, "layer": _OBJ, "tensor": _OBJ, "issue": _OBJ, "severity": _OBJ,
-    "value": _F64, "threshold": _F64, "message": _OBJ, "rank": _I64,
+    "value": _F64, "threshold": _F64, "message": _OBJ, "rank": _I64, "source": _OBJ,
 }
 """The pandas dtype of every :class:`Finding` field."""

@@ -28,13 +28,14 @@ Warn = Callable[[str, str], None]
 Describe = Callable[[], tuple[Mapping[str, Any], Mapping[str, Any]]]
 
 
-_ACTIVATION = Kind.ACTIVATION.value  # Enum.value is a descriptor call: slow once per row
+# Enum.value is a descriptor call: slow once per row
+_KIND_ORDER = {Kind.ACTIVATION.value: 0, Kind.OP.value: 1}
 
 
-def _row_order(record: Record) -> tuple[bool, float, str, str]:
-    """Within a step: activations, then parameters; each in forward order."""
+def _row_order(record: Record) -> tuple[int, float, str, str]:
+    """Within a step: activations, then ops, then parameters; each in forward order."""
     depth = record.depth if record.depth >= 0 else math.inf
-    return (record.kind != _ACTIVATION, depth, record.layer, record.tensor)
+    return (_KIND_ORDER.get(record.kind, 2), depth, record.layer, record.tensor)
 
 
 @contextlib.contextmanager

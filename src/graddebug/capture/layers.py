@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -31,7 +31,9 @@ __all__ = [
     "LayerSpec",
     "fail_open",
     "intervene_fail_open",
+    "is_op_site",
     "keep_label",
+    "op_site_matches",
     "parse_interventions",
     "select_layers",
 ]
@@ -136,6 +138,23 @@ def keep_label(layer: str, tensor: str, call: int = 0) -> str:
     """
     label = layer if tensor == "output" else f"{layer}.{tensor}"
     return f"{label}#{call}" if call else label
+
+
+OP_SITE_MARK = "@"
+"""What sets an op site's name apart from a layer's: the op site of ``torch.log`` called at line
+42 of ``model.py`` in module ``block`` is named ``block.torch.log@model.py:42`` (its rows have
+``layer="block"`` and ``tensor="torch.log@model.py:42"``)."""
+
+
+def is_op_site(name: object) -> bool:
+    """Whether a ``layers=``, ``keep=`` or ``intervene=`` entry names op sites, not layers."""
+    return isinstance(name, str) and OP_SITE_MARK in name
+
+
+def op_site_matches(label: str, patterns: Iterable[str]) -> list[str]:
+    """The op-site names or globs among ``patterns`` that match the op site ``label``
+    (``block.torch.log@model.py:42``, see :func:`keep_label`)."""
+    return [p for p in patterns if p == label or fnmatch.fnmatchcase(label, p)]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from graddebug.adapter import WatchOptions
-from graddebug.capture.layers import parse_interventions
+from graddebug.capture.layers import is_op_site, parse_interventions
 from graddebug.config import as_number
 from graddebug.errors import ConfigError, MissingFrameworkError
 from graddebug.runs.layout import check_run_path
@@ -82,21 +82,25 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
                   every: int, outputs: bool, param_stats: Literal["norm", "full"],
                   optimizer: Any, flush_every: int, strict: bool = False,
                   log_dir: str | os.PathLike[str] | None = None,
-                  scaler: Any = None) -> WatchOptions:
+                  scaler: Any = None, ops: bool = False,
+                  escalate: bool = False) -> WatchOptions:
     """Check the options of ``watch`` and return what the adapter reads.
 
     Args:
         params, layers, keep, intervene, every, outputs, param_stats, optimizer, flush_every,
-        strict, log_dir, scaler: As documented on :func:`graddebug.watch` (the adapter checks
-        that ``scaler`` is a scaler of its framework).
+        strict, log_dir, scaler, ops, escalate: As documented on :func:`graddebug.watch` (the
+        adapter checks that ``scaler`` is a scaler of its framework).
 
     Raises:
-        ConfigError: An option has an unusable value.
+        ConfigError: An option has an unusable value, or an entry of ``layers=``, ``keep=``
+            or ``intervene=`` names an op site without ``ops=True``.
     """
     _positive_int("flush_every", flush_every, "steps")
     every = _positive_int("every", every, "1 records every step")
     outputs = check_flag("outputs", outputs)
     check_flag("strict", strict)
+    ops = check_flag("ops", ops)
+    escalate = check_flag("escalate", escalate)
     check_log_dir(log_dir)
     if param_stats not in ("norm", "full"):
         raise ConfigError(f"param_stats={param_stats!r} must be 'norm' or 'full'.")
@@ -111,16 +115,31 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
     for name in kept or ():
         if not isinstance(name, str):
             raise ConfigError(f"keep entry {name!r} must be a layer or tap name (a str).")
+    chosen = _as_list("layers", layers, 'a layer name, a glob, a layer type, or a list of '
+                      'them, e.g. layers=["encoder.*", torch.nn.Linear]')
+    sites = [n for n in chosen or () if is_op_site(n)]
+    interventions = parse_interventions(intervene)
+    if not ops:
+        for option, names in (("layers", sites), ("keep", kept or ()),
+                              ("intervene", interventions)):
+            named = [n for n in names if is_op_site(n)]
+            if named:
+                raise ConfigError(
+                    f"{option}= names op site {named[0]!r}, but op sites are captured only with "
+                    f"ops=True: watch(model, ops=True, {option}=...)."
+                )
     return WatchOptions(
-        layers=_as_list("layers", layers, 'a layer name, a glob, a layer type, or a list of '
-                        'them, e.g. layers=["encoder.*", torch.nn.Linear]'),
+        layers=[n for n in chosen if not is_op_site(n)] if chosen is not None else None,
         keep=frozenset(kept or ()),
-        intervene=parse_interventions(intervene),
+        intervene=interventions,
         outputs=outputs,
         param_stats=param_stats,
         optimizer=optimizer,
         every=every,
         scaler=scaler,
+        ops=ops,
+        escalate=escalate,
+        op_sites=frozenset(sites),
     )
 
 

@@ -15,8 +15,9 @@ import pluggy
 
 from graddebug.adapter import Adapter, Distribution, StepResult
 from graddebug.capture.buffer import RunBuffer, gc_paused
+from graddebug.capture.escalation import Escalation
 from graddebug.capture.kept import KEEP_STEPS, check_keep_steps
-from graddebug.capture.layers import Intervention
+from graddebug.capture.layers import Intervention, is_op_site
 from graddebug.capture.metadata import run_metadata
 from graddebug.capture.options import build_options, check_tensorboard
 from graddebug.capture.results import RunResults
@@ -77,11 +78,21 @@ class Watcher(RunResults):
         flush_every: int = DEFAULT_FLUSH_EVERY,
         plugin_manager: pluggy.PluginManager | None = None,
         tensorboard: str | os.PathLike[str] | None = None,
+        ops: bool = False,
+        escalate: bool = False,
     ) -> None:
         self._options = build_options(
             params=params, layers=layers, keep=keep, intervene=intervene, every=every,
             outputs=outputs, param_stats=param_stats, optimizer=optimizer,
-            flush_every=flush_every, strict=strict, log_dir=log_dir, scaler=scaler)
+            flush_every=flush_every, strict=strict, log_dir=log_dir, scaler=scaler, ops=ops,
+            escalate=escalate)
+        if model is None and (self._options.ops or self._options.escalate):
+            option = "ops" if self._options.ops else "escalate"
+            raise ConfigError(
+                f"{option}=True captures the operations of a model's forward pass, and no "
+                f"model was given: watch(model, {option}=True). Without a model, tap() the "
+                "tensors to watch."
+            )
         self.strict = bool(strict)
         self.every = self._options.every
         self.tensorboard = check_tensorboard(tensorboard)
@@ -91,6 +102,8 @@ class Watcher(RunResults):
                            keep_steps=check_keep_steps(keep_steps), warn=self.warn_once)
         super().__init__(buffer, Thresholds.coerce(thresholds),
                          plugin_manager or get_plugin_manager())
+        self._escalation = (Escalation(self.thresholds)
+                            if self._options.escalate and not self._options.ops else None)
         self._adapter: Adapter | None = None
         self._active = False
         self._step = 0
@@ -166,9 +179,12 @@ class Watcher(RunResults):
         unmatched = sorted(wanted - matched)
         if unmatched:
             details = "; ".join(f"{n!r}{close_matches(n, known)}" for n in unmatched)
+            sites = (" Op-site names and globs ('<layer>.<op>@<file>:<line>') match the ops "
+                     "of forward passes recorded with ops=True; see the tensor column of the "
+                     "frame's op rows." if any(is_op_site(n) for n in unmatched) else "")
             raise UnknownNameError(
                 f"keep=/intervene= names matched no layer and no tap during the run: {details} "
-                f"Known names: {', '.join(known[:20]) or 'none'}."
+                f"Known names: {', '.join(known[:20]) or 'none'}.{sites}"
             )
 
     # -- what adapters and callbacks see -------------------------------------------------
@@ -182,6 +198,16 @@ class Watcher(RunResults):
     def recording(self) -> bool:
         """Whether the open step is recorded (``every=N`` records steps 0, N, 2N, ...)."""
         return self._active and self._step % self.every == 0
+
+    @property
+    def capture_ops(self) -> bool:
+        """Whether the open step captures operations: every recorded step with ``ops=True``;
+        with ``escalate=True``, the recorded step after a layer-level ``nonfinite`` or
+        ``cut_graph`` finding about a layer that had not escalated before."""
+        if not self.recording:
+            return False
+        escalation = self._escalation
+        return self._options.ops or (escalation is not None and escalation.at == self._step)
 
     @property
     def step_index(self) -> int:
@@ -334,6 +360,8 @@ class Watcher(RunResults):
                     result = adapter.close_step(self._step, grads, record=recording)
                     if recording:
                         self._buffer.add(self._step, result)
+                if recording and self._escalation is not None:
+                    self._escalate(result)
                 if recording:
                     self._notify(self._pm.hook.graddebug_step_recorded, watcher=self,
                                  step=self._step, result=result)
@@ -341,6 +369,16 @@ class Watcher(RunResults):
             self._closed = by
         self._step += 1
         return result if recording else None
+
+    def _escalate(self, result: StepResult) -> None:
+        """Arm op-level capture for the next recorded step after a finding (escalate=True)."""
+        assert self._escalation is not None
+        try:
+            self._escalation.after(self._step, result, self._step + self.every)
+        except GradDebugError:
+            raise
+        except Exception as exc:  # fail-open: escalation only adds detail
+            self.internal_error(exc, "escalate")
 
     def _notify(self, hook: Any, **kwargs: Any) -> None:
         # A subscriber's bug (a third-party logger) must not stop training: fail open.
@@ -492,12 +530,24 @@ def watch(model: Any = None, **options: Any) -> Watcher:
             - ``tensorboard``: a directory to stream TensorBoard event files to while it
               trains (per-tensor norms as scalars, norms over layers as histograms); needs
               ``pip install graddebug[tensorboard]``.
+            - ``ops``: op-level capture (torch): also record the gradient at the output of
+              every operation of the forward pass (rows of kind ``"op"``, ``layer`` the
+              module it ran in, ``tensor`` the op site ``op@file:line``), and name the
+              operation and source line of NaN/Inf and cut graphs in ``nonfinite`` and
+              ``cut_graph`` findings (their ``source`` column). ``layers=``, ``keep=`` and
+              ``intervene=`` then also take op-site names or globs,
+              ``"<layer>.<op>@<file>:<line>"`` (``"block.torch.log@*"``). Default False.
+            - ``escalate``: op-level capture for one recorded step only, the one after a
+              layer-level ``nonfinite`` or ``cut_graph`` finding (once per issue and layer),
+              so that a recurring problem gets its source line without paying for ``ops=True``
+              on every step. Default False.
 
     Returns:
         A :class:`Watcher`, to be entered with ``with``.
 
     Raises:
-        ConfigError: An option has an unusable value, or ``log_dir`` is not a new directory.
+        ConfigError: An option has an unusable value, ``log_dir`` is not a new directory,
+            or ``ops=True``/``escalate=True`` was given without a model.
         MissingFrameworkError: ``log_dir`` was given and pyarrow is missing, or
             ``tensorboard`` was given and tensorboardX is missing.
         NoAdapterError: (on entering) no installed adapter claims ``model``.

@@ -52,8 +52,8 @@ def diagnose(
         which rank shows it.
     """
     pm = plugin_manager or get_plugin_manager()
-    combined = combine_ranks(records)
-    evidence = Evidence(records=combined, events=events)
+    evidence = Evidence(records=combine_ranks(records), events=events)
+    combined = evidence.records
     found: list[Finding] = []
     for batch in pm.hook.graddebug_findings(evidence=evidence, thresholds=thresholds):
         found.extend(batch)
@@ -97,18 +97,42 @@ def _with_ranks(found: list[Finding], records: pd.DataFrame, events: pd.DataFram
 class Evidence:
     """What detectors look at.
 
+    Op rows (``kind == "op"``, from op-level capture) are kept apart from the layer-level
+    rows: the depth-ordered rules (vanishing, exploding, dead) compare layers with layers, and
+    an operation inside a layer is neither upstream nor downstream of it. The ``nonfinite``
+    and ``cut_graph`` diagnoses read them, with the op-level events, to name the operation and
+    its source line.
+
     Attributes:
-        records: The record frame (``Watcher.frame()``).
+        records: The record frame (``Watcher.frame()``) without its op rows: activation and
+            parameter rows. Op rows passed in here move to :attr:`ops`.
         events: The structural events (``Watcher.events()``).
+        ops: The op rows (empty without op-level capture).
     """
 
     records: pd.DataFrame
     events: pd.DataFrame
+    ops: pd.DataFrame = field(default_factory=pd.DataFrame)
     _norms: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        records = self.records
+        if "kind" not in records:
+            return
+        is_op = (records["kind"] == Kind.OP.value).to_numpy()
+        if is_op.any():
+            object.__setattr__(self, "ops", records[is_op])
+            object.__setattr__(self, "records", records[~is_op])
+        elif self.ops.empty:
+            object.__setattr__(self, "ops", records.iloc[:0])
 
     @functools.cached_property
     def nonfinite_steps(self) -> frozenset[int]:
-        """Steps where some gradient or some layer output held NaN or Inf."""
+        """Steps where some gradient or some layer output held NaN or Inf.
+
+        Op rows and op-level events do not count: an op may hold -inf by design (an attention
+        mask) where every layer stays finite.
+        """
         records, events = self.records, self.events
         steps: set[Any] = set()
         if len(records):
@@ -201,10 +225,10 @@ def as_int(value: Any) -> int:
 
 def finding(issue: Issue, severity: Severity, step: Any, layer: Any, message: str, *,
             tensor: Any = "", value: float = math.nan,
-            threshold: float = math.nan) -> Finding:
+            threshold: float = math.nan, source: Any = "") -> Finding:
     """Build a :class:`Finding` from pandas/numpy values, converting them to plain types."""
     return Finding(as_int(step), str(layer), str(tensor), issue.value, severity.value,
-                   float(value), float(threshold), message)
+                   float(value), float(threshold), message, 0, str(source))
 
 
 def fmt(value: float) -> str:

@@ -1,6 +1,15 @@
-"""Cut graphs: where gradient stops flowing (detach, stop_gradient, a numpy round trip)."""
+"""Cut graphs: where gradient stops flowing (detach, stop_gradient, a numpy round trip).
+
+The findings name layers. Where op-level capture ran (``ops=True``, or ``escalate=True`` on a
+later step), each also names the operation that cut the graph and its source line, from the
+``op_cut`` events: the one that ran in or around the layers the finding names, else the first
+of the step.
+"""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterable
 
 import pandas as pd
 
@@ -8,6 +17,9 @@ from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
 from graddebug.records import EventKind, Finding, Issue, Kind, Severity
+
+# The layer names a finding's message quotes ('fc1'), to choose among several op-level cuts.
+_NAMED = re.compile(r"'([^']+)'")
 
 _CAUSES = "a .detach(), tf.stop_gradient, a numpy round trip (.numpy()/np.asarray), or no_grad"
 
@@ -22,7 +34,34 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     findings = _detached(events)
     findings += _boundaries(evidence)
     findings += _starved(events)
-    return findings
+    cuts = events[events["event"] == EventKind.OP_CUT.value]
+    if cuts.empty:
+        return findings
+    return [_pinned(f, cuts) for f in findings]
+
+
+def _related(module: str, layers: Iterable[str]) -> bool:
+    """Whether ``module`` is one of ``layers``, inside one, or around one."""
+    return any(module == n or module.startswith(f"{n}.") or n.startswith(f"{module}.")
+               for n in layers)
+
+
+def _pinned(found: Finding, cuts: pd.DataFrame) -> Finding:
+    """``found`` with the op-level cut that explains it: from its own step, else (escalation)
+    from the first later step whose op-level capture saw one."""
+    later = cuts[cuts["step"] >= found.step]
+    if later.empty:
+        return found
+    rows = later[later["step"] == later["step"].min()].sort_values("depth", kind="stable")
+    layers = [*_NAMED.findall(found.message), found.layer]
+    near = rows[[_related(str(m), layers) for m in rows["layer"]]]
+    cut = (near if not near.empty else rows).iloc[0]
+    op = str(cut["tensor"]).partition("@")[0]
+    where = str(cut["source"]) or "source line unknown"
+    return found._replace(
+        message=f"{found.message} Op-level capture places the cut at {op} in "
+                f"{cut['layer']!r} ({where}): {cut['detail']}.",
+        source=str(cut["source"]))
 
 
 def _first_per_layer(rows: pd.DataFrame) -> pd.DataFrame:

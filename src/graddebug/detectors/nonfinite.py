@@ -1,4 +1,5 @@
-"""NaN/Inf gradients, traced to the layer where they were born."""
+"""NaN/Inf gradients, traced to the layer where they were born, and, where op-level capture ran
+(``ops=True``, or ``escalate=True`` on a later step), to the operation and its source line."""
 
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ _BACKWARD_ADVICE = (
     "Its forward values were finite, so a derivative blew up: look for sqrt, pow or division "
     "at 0 (d/dx sqrt(x) is inf at 0) and add an epsilon, or clip gradients."
 )
+_OP_FORWARD = EventKind.OP_NONFINITE.value
+_OP_BACKWARD = EventKind.OP_GRAD_NONFINITE.value
 
 
 @hookimpl
 def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
-    """Name the layer where NaN/Inf first appears, in forward order or else backward order."""
+    """Name the layer where NaN/Inf first appears, in forward order or else backward order;
+    name the operation and its line where op-level capture saw it."""
     records, events = evidence.records, evidence.events
     bad_rows = records[records["nan"] | records["inf"]] if not records.empty else records
     # A loss scaler's skipped step overflowed in backward by design (the overflow diagnosis
@@ -31,20 +35,102 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     if skipped:
         bad_rows = bad_rows[~bad_rows["step"].isin(skipped)]
     forward = events[events["event"] == EventKind.FORWARD_NONFINITE.value]
+    op_events = events[events["event"].isin((_OP_FORWARD, _OP_BACKWARD))]
+    if skipped:
+        op_events = op_events[(op_events["event"] == _OP_FORWARD)
+                              | ~op_events["step"].isin(skipped)]
+    # Op-level events only pin a layer-level finding down: an op may hold -inf by design (an
+    # attention mask) where every layer stays finite.
     steps = sorted(set(bad_rows["step"]) | set(forward["step"]))
     # Only the first broken step has a meaningful origin: once an optimizer applies a NaN
     # update, every later step is NaN everywhere.
     for step in steps:
-        origin = origin_of(int(step), bad_rows[bad_rows["step"] == step],
-                         forward[forward["step"] == step], records[records["step"] == step])
-        if origin is not None:
+        origin = _layer_origin(int(step), bad_rows, forward, records)
+        pinned = _op_origin(int(step), origin, op_events, bad_rows, forward, records)
+        found = pinned if pinned is not None else origin
+        if found is not None:
             later = len(steps) - 1
             if later:
-                origin = origin._replace(
-                    message=f"{origin.message} {later} later step(s) were non-finite too."
+                found = found._replace(
+                    message=f"{found.message} {later} later step(s) were non-finite too."
                 )
-            return [origin]
+            return [found]
     return []
+
+
+def _layer_origin(step: int, bad_rows: pd.DataFrame, forward: pd.DataFrame,
+                  records: pd.DataFrame) -> Finding | None:
+    return origin_of(step, bad_rows[bad_rows["step"] == step],
+                     forward[forward["step"] == step], records[records["step"] == step])
+
+
+def _op_origin(step: int, origin: Finding | None, op_events: pd.DataFrame,
+               bad_rows: pd.DataFrame, forward: pd.DataFrame,
+               records: pd.DataFrame) -> Finding | None:
+    """The finding that names the operation where NaN/Inf was born, from op-level events.
+
+    They come from ``step`` itself (``ops=True``), or from a later step that op-level capture
+    recorded after the problem appeared (``escalate=True``). A later step counts only where
+    the same layer-level origin recurred: once a NaN update has reached the weights, the first
+    operation to go non-finite is merely the first to read them.
+    """
+    if op_events.empty or origin is None:
+        return None
+    born_forward = not forward[forward["step"] == step].empty
+    for at in sorted({int(s) for s in op_events["step"] if s >= step}):
+        if at != step:
+            again = _layer_origin(at, bad_rows, forward, records)
+            same_birth = not forward[forward["step"] == at].empty
+            if origin is None or again is None or same_birth != born_forward or (
+                    again.layer, again.tensor) != (origin.layer, origin.tensor):
+                continue
+        rows = op_events[op_events["step"] == at]
+        pinned = _pin(step, at, rows, born_forward)
+        if pinned is not None:
+            return pinned
+    return None
+
+
+def _pin(step: int, at: int, rows: pd.DataFrame, born_forward: bool) -> Finding | None:
+    when = f"step {step}" if at == step else (
+        f"step {step}; op-level capture of step {at}, where it recurred, found it")
+    forward = rows[rows["event"] == _OP_FORWARD]
+    if born_forward and not forward.empty:
+        first = forward.sort_values("depth", kind="stable").iloc[0]
+        op = _op_name(first["tensor"])
+        return finding(
+            Issue.NONFINITE, Severity.ERROR, step, first["layer"],
+            (
+                f"{op} in {first['layer']!r} ({_where(first['source'])}) is the first "
+                f"operation whose output held {first['detail']} in the forward pass ({when}); "
+                f"every gradient behind it is poisoned. {_FORWARD_ADVICE}"
+            ),
+            tensor=first["tensor"], source=first["source"],
+        )
+    backward = rows[rows["event"] == _OP_BACKWARD]
+    if born_forward or backward.empty:
+        return None  # a forward birth the ops did not see is left to the layer-level finding
+    # The first to happen in backward is the one closest to the loss: deepest in forward order.
+    last = backward.sort_values("depth", ascending=False, kind="stable").iloc[0]
+    op = _op_name(last["tensor"])
+    return finding(
+        Issue.NONFINITE, Severity.ERROR, step, last["layer"],
+        (
+            f"the backward of {op} in {last['layer']!r} ({_where(last['source'])}) turned a "
+            f"finite gradient into {last['detail']} ({when}): the gradient at its output was "
+            f"finite. {_BACKWARD_ADVICE}"
+        ),
+        tensor=last["tensor"], source=last["source"],
+    )
+
+
+def _op_name(site: object) -> str:
+    """The operation of an op site ``op@file:line``."""
+    return str(site).partition("@")[0]
+
+
+def _where(source: object) -> str:
+    return str(source) or "source line unknown"
 
 
 def _what(rows: pd.DataFrame) -> str:

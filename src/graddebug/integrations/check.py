@@ -79,7 +79,8 @@ def check(
         optimizer: Applied after each backward pass. Without one, the weights do not change
             and every step sees the same gradients.
         **options: Options of :func:`graddebug.watch` (``layers=``, ``thresholds=``,
-            ``outputs=``, ...).
+            ``outputs=``, ...). ``ops=True`` adds op-level capture: ``nonfinite`` and
+            ``cut_graph`` findings then name the operation and its source line.
 
     Returns:
         The :class:`graddebug.Report` of the run.

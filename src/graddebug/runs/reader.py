@@ -53,15 +53,23 @@ _TEXT = frozenset({"object", "str", "string"})
 """Dtype names of text columns: pandas versions name the schema's ``object`` columns
 differently, and all three hold the same values."""
 
-_OPTIONAL = frozenset({"pre_norm", "rank"})
+_OPTIONAL = frozenset({"pre_norm", "rank", "source"})
 """Schema columns a part or a spec may lack: ``pre_norm`` exists only where one acted, and runs
-written before ``rank`` existed lack it (they come from one process: rank 0)."""
+written before ``rank`` or ``source`` existed lack them (they come from one process, rank 0,
+and knew no source lines)."""
 
 
-def _ranked(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` with its ``rank`` column, 0 where the file predates it (appended last)."""
+def _ranked(frame: pd.DataFrame, schema: Mapping[str, str] | None = None) -> pd.DataFrame:
+    """``frame`` with the columns appended to the format since its files were written: ``rank``
+    (0), and ``source`` (empty) where ``schema`` has it (events and findings)."""
     if "rank" not in frame:
         frame = frame.assign(rank=np.zeros(len(frame), dtype="int64"))
+    if schema is not None and "source" in schema:
+        if "source" not in frame:
+            frame = frame.assign(source=pd.Series([""] * len(frame), dtype=object,
+                                                  index=frame.index))
+        elif frame["source"].isna().any():  # parts written before it, read with newer ones
+            frame = frame.assign(source=frame["source"].fillna(""))
     return frame
 
 
@@ -170,7 +178,7 @@ def _stream_frame(stream: str, table: Any) -> pd.DataFrame:
     frame = table_to_frame(table, table_spec(table))
     if stream == "records" and "pre_norm" in frame and frame["pre_norm"].isna().all():
         frame = frame.drop(columns="pre_norm")  # as record_frame: only where one acted
-    return _ranked(frame)
+    return _ranked(frame, STREAMS[stream][1])
 
 
 def read_streams(path: Path, *, pending: Mapping[str, Sequence[tuple[Any, ...]]],
@@ -317,10 +325,10 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
         for stream, tables in streams.tables.items():
             table = _concat(stream, tables)
             spec = specs.get(stream)
-            frames[stream] = (_ranked(table_to_frame(table, spec)) if spec
+            frames[stream] = (_ranked(table_to_frame(table, spec), STREAMS[stream][1]) if spec
                               else _stream_frame(stream, table))
-        findings = (_ranked(table_to_frame(others[findings_file], specs["findings"]))
-                    if complete else None)
+        findings = (_ranked(table_to_frame(others[findings_file], specs["findings"]),
+                            FINDING_DTYPES) if complete else None)
     except (KeyError, TypeError, ValueError) as exc:  # Arrow's errors derive from these too
         raise CorruptRunError(
             f"run {str(run)!r}: its files do not fit together or do not match {META_FILE} "

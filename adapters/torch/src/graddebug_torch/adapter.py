@@ -38,6 +38,7 @@ from graddebug_torch.guards import (
     check_mask_device,
     in_functorch_transform,
 )
+from graddebug_torch.ops import OpCapture
 from graddebug_torch.outputs import (
     CHANNELS_FIRST,
     SEVERED_DETAIL,
@@ -138,6 +139,7 @@ class TorchAdapter(BaseAdapter):
         # Per sharded parameter (by index), its gradient's identity and version when the last
         # step closed: FSDP2 may set .grad without running the post-accumulate hooks.
         self._sharded_marks: dict[int, tuple[int, int] | None] = {}
+        self._ops = OpCapture(self)
         self._resolve(params)
         self._sharded = [i for i, p in enumerate(self._params) if p.sharded]
         # With several ranks (DDP) the gradient a post-accumulate hook sees is this rank's
@@ -213,6 +215,7 @@ class TorchAdapter(BaseAdapter):
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
                     functools.partial(self._on_param_grad, index)))
         self._scaling.attach()
+        self._ops.attach()
 
     def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None) -> None:
         """Call ``on_step`` after each ``optimizer.step()`` (a step post-hook, removed on
@@ -238,6 +241,7 @@ class TorchAdapter(BaseAdapter):
             handle.remove()
         self._handles.clear()
         self._flows.clear()
+        self._ops.detach()
         self._owners.release()
         self._drop_step()
         self._staging = SmallGrads()  # the staging buffers go with the hooks
@@ -527,9 +531,9 @@ class TorchAdapter(BaseAdapter):
                     [r.grad for r in rows if r.sharded], full, self._ctx.internal_error)
                 depths = {name: layer.depth for name, layer in self._layers.items()}
                 scale = self._scaling.read()  # queued before the step's sync, read after it
-                return scale.unscale(step, gather(
+                return self._ops.close(scale.unscale(step, gather(
                     step, state, rows, depths, full=full, staging=self._staging,
-                    sharded=sharded, on_bug=self._ctx.internal_error))
+                    sharded=sharded, on_bug=self._ctx.internal_error)))
             return StepResult(events=list(state.events))
         finally:
             self._scaling.next_pass()
