@@ -520,7 +520,8 @@ def benchmark_workload(
         for c in configs:
             res = results[c.key]
             res.graph_breaks_plain, res.graphs_plain = plain_census
-            res.graph_breaks_watched, res.graphs_watched = graph_census(name, c.options, device)
+            options = None if c.options.get("anomaly") else c.options  # (d) has no watcher
+            res.graph_breaks_watched, res.graphs_watched = graph_census(name, options, device)
             console.print(f"  {c.label}: graph breaks {res.graph_breaks_plain} plain, "
                           f"{res.graph_breaks_watched} watched; graphs {res.graphs_plain} "
                           f"plain, {res.graphs_watched} watched", style="dim")
