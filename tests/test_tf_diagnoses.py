@@ -96,6 +96,27 @@ def test_log_of_negative_is_traced_to_its_layer(k):
     assert all(depth[layer] < depth["log"] for layer in others["layer"])
 
 
+def test_layers_that_keep_values_finite_skip_the_forward_check_and_the_birth_is_named():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(16, name="d0"),
+        keras.layers.Lambda(tf.math.log, name="log"), keras.layers.ReLU(name="relu"),
+        keras.layers.Dropout(0.1, name="drop"), keras.layers.Activation("tanh", name="tanh"),
+        keras.layers.Activation("softplus", name="softplus"), keras.layers.Dense(4, name="d1")])
+    with graddebug.watch(model) as dbg:
+        for x, _ in batches(1, (8, 16)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True))
+            dbg.step(tape.gradient(loss, model.trainable_variables))
+    events = dbg.report().events()
+    forward = events[events["event"] == "forward_nonfinite"]
+    # the NaN born in log passes through every layer after it; only those that can make one
+    # from finite values are checked
+    assert forward["layer"].tolist() == ["log", "softplus", "d1"]
+    found = dbg.findings()
+    assert found[found["issue"] == "nonfinite"]["layer"].tolist() == ["log"]
+
+
 class SqrtAtZero(keras.layers.Layer):
     """Finite forward; in backward sqrt' = inf at the masked zeros, and inf * 0 = NaN."""
 

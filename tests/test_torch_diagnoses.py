@@ -120,6 +120,27 @@ def test_log_of_negative_is_traced_to_its_layer(k: int) -> None:
     assert "forward" in found["message"].item()
 
 
+class MyReLU(nn.ReLU):
+    """A subclass may compute anything: it keeps its forward check."""
+
+
+def test_layers_that_keep_values_finite_skip_the_forward_check_and_the_birth_is_named() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Log(), nn.ReLU(), nn.Dropout(0.1), MyReLU(),
+                          nn.Linear(16, 4), nn.Tanh())
+    with graddebug.watch(model) as dbg:
+        for x, _ in batches(1, (8, 16)):
+            model(x).sum().backward()
+            dbg.step()
+    events = dbg.report().events()
+    forward = events[events["event"] == "forward_nonfinite"]
+    # the NaN born in Log passes through every module after it; only those that can make one
+    # from finite values are checked
+    assert forward["layer"].tolist() == ["1", "4", "5"]
+    found = dbg.findings()
+    assert found[found["issue"] == "nonfinite"]["layer"].tolist() == ["1"]
+
+
 class SqrtAtZero(nn.Module):
     """Finite forward; in backward sqrt' = inf at the masked zeros, and inf * 0 = NaN."""
 

@@ -294,13 +294,16 @@ class BaseAdapter:
         return depth
 
     def _add_layers(self, named: Mapping[str, L], selected: Mapping[str, L],
-                    channels_first: Callable[[L], bool]) -> dict[str, L]:
+                    channels_first: Callable[[L], bool],
+                    keeps_finite: Callable[[L], bool] | None = None) -> dict[str, L]:
         """Register the ``layers=`` selection, plus every layer ``keep=``/``intervene=`` name.
 
         Args:
             named: Every layer of the model by name.
             selected: The layers ``layers=`` chose.
             channels_first: Whether a layer's outputs put units on axis 1.
+            keeps_finite: Whether a layer cannot make a non-finite output from finite inputs,
+                so that its forward check can find nothing (None: every layer can).
 
         Returns:
             The layers to hook, by name.
@@ -319,6 +322,7 @@ class BaseAdapter:
                 keep=keep,
                 intervention=intervention,
                 capture=options.outputs or keep or intervention is not None,
+                check_forward=keeps_finite is None or not keeps_finite(layer),
             )
         self._matched |= wanted
         return chosen

@@ -89,6 +89,9 @@ class LayerSpec:
         capture: Record the gradient at its outputs (False: its parameters only).
         depth: Forward-order index, set at its first forward (-1 until then).
         mask_checked: The intervention's mask was checked against an output already.
+        check_forward: Check its outputs for NaN/Inf in the forward pass. False for layers
+            that cannot make a non-finite value from finite inputs (ReLU, dropout, max
+            pooling, reshapes): a NaN or Inf they pass on is named at the layer that made it.
     """
 
     name: str
@@ -98,6 +101,7 @@ class LayerSpec:
     capture: bool = True
     depth: int = -1
     mask_checked: bool = False
+    check_forward: bool = True
 
     def check_mask(self, mask: Any, target: Sequence[int | None], is_tensor: bool) -> None:
         """Check, at the first forward, that a mask tensor broadcasts to the output's gradient.

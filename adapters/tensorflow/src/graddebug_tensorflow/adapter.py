@@ -38,6 +38,7 @@ from graddebug_tensorflow.outputs import (
     differentiable,
     intervene,
     is_mask_tensor,
+    keeps_finite,
     leaf_names,
     unit_axis,
 )
@@ -136,7 +137,8 @@ class TensorFlowAdapter(BaseAdapter):
         if self._index is not None:
             self._targets = self._add_layers(
                 self._index.named, self._index.select(options.layers),
-                lambda layer: getattr(layer, "data_format", None) == "channels_first")
+                lambda layer: getattr(layer, "data_format", None) == "channels_first",
+                keeps_finite)
         # In a graph, TF's optimizer fuses a BatchNormalization with the op that follows it (and
         # their gradients likewise); an identity between them stops that, and the fused and
         # unfused kernels round differently: the weights of a watched ResNet50 under fit would
@@ -354,9 +356,10 @@ class TensorFlowAdapter(BaseAdapter):
             return tensor
         slot = self._slot(layer, tname, eager) if record else None
         if slot is not None and eager:
-            _write_forward(self._buffers.local(slot.var), slot.row_tensor, tensor)
+            _write_forward(self._buffers.local(slot.var), slot.row_tensor, tensor,
+                           layer.check_forward)
         elif slot is not None:
-            write_forward(self._buffers.local(slot.var), slot.row, tensor)
+            write_forward(self._buffers.local(slot.var), slot.row, tensor, layer.check_forward)
         axis = unit_axis(tensor.shape.rank, layer.channels_first)
 
         @tf.custom_gradient

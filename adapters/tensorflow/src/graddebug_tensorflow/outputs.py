@@ -20,9 +20,36 @@ __all__ = [
     "differentiable",
     "intervene",
     "is_mask_tensor",
+    "keeps_finite",
     "leaf_names",
     "unit_axis",
 ]
+
+
+_KEEPS_FINITE = frozenset({
+    keras.layers.Identity, keras.layers.Flatten, keras.layers.Reshape, keras.layers.Permute,
+    keras.layers.ReLU, keras.layers.Dropout, keras.layers.SpatialDropout1D,
+    keras.layers.SpatialDropout2D, keras.layers.SpatialDropout3D,
+    keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D,
+    keras.layers.GlobalMaxPooling1D, keras.layers.GlobalMaxPooling2D,
+    keras.layers.GlobalMaxPooling3D,
+})
+_FINITE_ACTIVATIONS = frozenset({"linear", "relu", "relu6", "sigmoid", "hard_sigmoid", "tanh"})
+
+
+def keeps_finite(layer: Any) -> bool:
+    """Whether ``layer``'s output is finite whenever its input is (a clamp, a monotone squash,
+    a mask or selection, a reshape), so that its forward finiteness check can find nothing.
+
+    Exact types, as a subclass may override ``call``; an ``Activation`` layer by its function.
+    Averages, normalisation, softmax, exp and log keep their check.
+    """
+    kind = type(layer)
+    if kind in _KEEPS_FINITE:
+        return True
+    if kind is keras.layers.Activation:
+        return getattr(layer.activation, "__name__", "") in _FINITE_ACTIVATIONS
+    return False
 
 
 @dataclass

@@ -70,8 +70,11 @@ def _scalar(value: Any) -> tf.Tensor:
     return tf.cast(value, _ROW)
 
 
-def forward_row(output: tf.Tensor) -> tf.Tensor:
-    """``[1, sum(output)]``: the forward flag and the one-reduction finiteness check."""
+def forward_row(output: tf.Tensor, check: bool = True) -> tf.Tensor:
+    """``[1, sum(output)]``: the forward flag and the one-reduction finiteness check; ``[1, 0]``
+    without the ``check`` (a layer that cannot make a non-finite value)."""
+    if not check:
+        return tf.constant([1.0, 0.0], _ROW)
     wide = output if output.dtype in (tf.float32, tf.float64) else tf.cast(output, tf.float32)
     return tf.stack([tf.constant(1.0, _ROW), _scalar(tf.reduce_sum(wide))])
 
@@ -168,9 +171,10 @@ def apply_intervention(grad: tf.Tensor, spec: Intervention) -> tf.Tensor:
     return out
 
 
-def write_forward(var: tf.Variable, row: Any, output: tf.Tensor) -> None:
-    """Write the forward flag and finiteness sum of ``output`` into row ``row`` of ``var``."""
-    var[row, Col.FWD : Col.BWD].assign(forward_row(output))
+def write_forward(var: tf.Variable, row: Any, output: tf.Tensor, check: bool = True) -> None:
+    """Write the forward flag and finiteness sum of ``output`` (without ``check``: 0) into row
+    ``row`` of ``var``."""
+    var[row, Col.FWD : Col.BWD].assign(forward_row(output, check))
 
 
 def write_activation(var: tf.Variable, row: Any, grad: tf.Tensor, pre: tf.Tensor | None,

@@ -41,6 +41,7 @@ from graddebug_torch.guards import (
 from graddebug_torch.ops import OpCapture
 from graddebug_torch.outputs import (
     CHANNELS_FIRST,
+    KEEPS_FINITE,
     SEVERED_DETAIL,
     any_requires_grad,
     fits,
@@ -154,7 +155,7 @@ class TorchAdapter(BaseAdapter):
             named = {self._name(n): m for n, m in self._root.named_modules()}
             self._modules = self._add_layers(
                 named, self._select(named, options.layers),
-                lambda m: isinstance(m, CHANNELS_FIRST))
+                lambda m: isinstance(m, CHANNELS_FIRST), lambda m: type(m) in KEEPS_FINITE)
             chosen = None if options.layers is None else set(self._modules)
             self._params = model_params(self._root, self._name, chosen, options.keep)
         if params:
@@ -431,7 +432,7 @@ class TorchAdapter(BaseAdapter):
         spec = layer.intervention
         if spec is not None and spec.mask is not None and not spec.mask_is_callable:
             layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
-        if layer.capture:
+        if layer.capture and layer.check_forward:
             # Forward finiteness check: one reduction, read at the step's single sync.
             state.forward_sums.append((key, layer.depth, _finiteness(tensor)))
         if not tensor.requires_grad:

@@ -231,6 +231,6 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any,
         elif inputs_need_grad:
             flag |= severs
         names.append(tname)
-        checks.append(finiteness(tensor) if layer.capture else None)
+        checks.append(finiteness(tensor) if layer.capture and layer.check_forward else None)
         flags.append(flag)
     torch.ops.graddebug.forward_ran(_SINK, checks, token, _SEP.join(names), flags)

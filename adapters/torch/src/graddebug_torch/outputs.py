@@ -9,11 +9,24 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["CHANNELS_FIRST", "SEVERED_DETAIL", "any_requires_grad", "fits", "flatten",
-           "owns_params", "unit_dim"]
+__all__ = ["CHANNELS_FIRST", "KEEPS_FINITE", "SEVERED_DETAIL", "any_requires_grad", "fits",
+           "flatten", "owns_params", "unit_dim"]
 
 SEVERED_DETAIL = "its input requires a gradient but its output does not"
 """What a module did when its output needs no gradient although one of its inputs does."""
+
+KEEPS_FINITE: frozenset[type[nn.Module]] = frozenset({
+    nn.Identity, nn.Flatten, nn.Unflatten,
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.Sigmoid, nn.Tanh,
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+})
+"""Module types whose output is finite whenever their input is: clamps, monotone squashes,
+masks and selections, and reshapes. Their forward finiteness check is dropped (a NaN or Inf
+they pass on is named at the module that made it). Exact types: a subclass may override
+``forward``. Averages, norms, softmax, exp and log keep theirs."""
 
 # Modules whose 3-D outputs are (batch, channels, length); other 3-D outputs are
 # (batch, sequence, features) and their units lie on the last axis.
