@@ -96,6 +96,9 @@ CONFIGS: tuple[Config, ...] = (
     Config("o", "(o) = (b) + ops=True", {"ops": True}, 1.34),
     Config("d", "(d) torch.autograd.detect_anomaly(), no graddebug", {"anomaly": True},
            math.inf),
+    # The floor of parameter capture: what any tool must do at least, one fused norm pass over
+    # the parameter gradients and one host sync. (a) is judged by its distance to it.
+    Config("f", "(f) floor: one _foreach_norm pass, no graddebug", {"floor": True}, math.inf),
 )
 
 
@@ -123,8 +126,31 @@ class _Anomaly:
         return []
 
 
+class _Floor(_Anomaly):
+    """Stands for a Watcher in config (f): after each backward pass, the norms of every
+    parameter gradient in one ``torch._foreach_norm`` pass, read to the host in one sync."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+    def __enter__(self) -> _Floor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def step(self) -> None:
+        """Measure the parameter gradients, as the cheapest parameter capture would."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        torch.stack(torch._foreach_norm(grads)).tolist()
+
+
 def _watcher(model: nn.Module, config: Config) -> Any:
-    return _Anomaly() if config.options.get("anomaly") else graddebug.watch(model, **config.options)
+    if config.options.get("anomaly"):
+        return _Anomaly()
+    if config.options.get("floor"):
+        return _Floor(model)
+    return graddebug.watch(model, **config.options)
 
 
 @dataclass
@@ -520,7 +546,8 @@ def benchmark_workload(
         for c in configs:
             res = results[c.key]
             res.graph_breaks_plain, res.graphs_plain = plain_census
-            options = None if c.options.get("anomaly") else c.options  # (d) has no watcher
+            # (d) and (f) have no watcher
+            options = None if {"anomaly", "floor"} & c.options.keys() else c.options
             res.graph_breaks_watched, res.graphs_watched = graph_census(name, options, device)
             console.print(f"  {c.label}: graph breaks {res.graph_breaks_plain} plain, "
                           f"{res.graph_breaks_watched} watched; graphs {res.graphs_plain} "
@@ -787,8 +814,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              f"{','.join(DEFAULT_WORKLOADS)}; with --profile: mlp; gpt2 "
                              "needs transformers)")
     parser.add_argument("--configs", default="a,b",
-                        help="comma-separated, from a,b,c,o,d (c: b recording every 10th "
-                             "step; o: b with ops=True; d: detect_anomaly, no graddebug)")
+                        help="comma-separated, from a,b,c,o,d,f (c: b recording every 10th "
+                             "step; o: b with ops=True; d: detect_anomaly, no graddebug; "
+                             "f: the floor, one _foreach_norm pass)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--json", type=Path, default=None,
                         help=f"where to write results (default: {DEFAULT_JSON.name}, with "
@@ -823,7 +851,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     keys = args.configs.split(",")
     args.config_list = [c for c in CONFIGS if c.key in keys]
     if len(args.config_list) != len(keys):
-        parser.error(f"--configs {args.configs!r}: choose from a,b,c,o,d")
+        parser.error(f"--configs {args.configs!r}: choose from a,b,c,o,d,f")
     return args
 
 

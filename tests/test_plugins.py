@@ -133,7 +133,7 @@ def test_watch_without_target_steps_without_adapter() -> None:
 
 CORE_TESTS = ["tests/test_config.py", "tests/test_detectors.py", "tests/test_frames.py",
               "tests/test_plugins.py", "tests/test_ranks.py", "tests/test_stopping.py",
-              "tests/test_verdict.py"]
+              "tests/test_tiers.py", "tests/test_verdict.py"]
 
 BLOCK = """
 import sys

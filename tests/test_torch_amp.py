@@ -150,7 +150,8 @@ def test_statistics_equal_those_of_the_unscaled_run(order: str) -> None:
     # The scale grows at every update, so a scale read before or after the wrong update is off.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     extra = {"optimizer": opt} if order == "optimizer=" else {}
-    with graddebug.watch(model, scaler=scaler, param_stats="full", **extra) as dbg:
+    with graddebug.watch(model, scaler=scaler, param_stats="full", full_stats_every=1,
+                         **extra) as dbg:
         for step in range(3):
             x, y = batch(step)
             ref.step(x, y)
@@ -334,7 +335,7 @@ def test_under_optimizer_each_scaler_step_closes_one_step_skipped_or_not(every: 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     overflow = {1, 2}
     with graddebug.watch(model, scaler=scaler, optimizer=opt, every=every,
-                         param_stats="full") as dbg:
+                         param_stats="full", full_stats_every=1) as dbg:
         for step in range(5):
             x, y = batch(step)
             factor = 1e38 if step in overflow else 1.0

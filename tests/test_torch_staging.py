@@ -34,7 +34,7 @@ class _Twice(nn.Module):
 
 
 def _run(model: nn.Module, x: torch.Tensor, nan: bool = False) -> pd.DataFrame:
-    with graddebug.watch(model) as dbg:
+    with graddebug.watch(model, full_stats_every=1) as dbg:  # every step, both paths
         for _ in range(2):
             out = model(x)
             if nan:

@@ -63,6 +63,10 @@ class WatchOptions:
             that name the operation and source line behind NaN/Inf and cut graphs.
         escalate: Op-level capture on the next recorded step after a layer-level
             ``nonfinite`` or ``cut_graph`` finding (``WatchContext.capture_ops`` says when).
+        full_stats_every: One recorded step in this many measures the per-unit extremes of
+            layer-output gradients (``absmax``, ``zero_frac``); see
+            :mod:`graddebug.capture.tiers` (the Watcher decides, :attr:`WatchContext.full_stats`
+            tells the adapter).
         op_sites: Op-site names or globs (``"block.torch.log@*"``) that ``layers=`` asks for,
             besides its layers; op sites are named ``<layer>.<op>@<file>:<line>``.
     """
@@ -78,6 +82,7 @@ class WatchOptions:
     ops: bool = False
     escalate: bool = False
     op_sites: frozenset[str] = frozenset()
+    full_stats_every: int = 10
 
     @property
     def named(self) -> set[str]:
@@ -138,6 +143,12 @@ class WatchContext(Protocol):
         """Whether op-level capture runs in the open step: on every recorded step with
         ``ops=True``; with ``escalate=True``, on the recorded step after a layer-level
         ``nonfinite`` or ``cut_graph`` finding."""
+
+    @property
+    def full_stats(self) -> bool:
+        """Whether the open recorded step measures every statistic of layer-output gradients;
+        otherwise their sentinel only (sum of squares and sum; ``absmax`` and ``zero_frac``
+        NaN). See :mod:`graddebug.capture.tiers`."""
 
     @property
     def step_index(self) -> int:

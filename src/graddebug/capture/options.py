@@ -83,13 +83,14 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
                   optimizer: Any, flush_every: int, strict: bool = False,
                   log_dir: str | os.PathLike[str] | None = None,
                   scaler: Any = None, ops: bool = False,
-                  escalate: bool = False) -> WatchOptions:
+                  escalate: bool = False, full_stats_every: int = 10) -> WatchOptions:
     """Check the options of ``watch`` and return what the adapter reads.
 
     Args:
         params, layers, keep, intervene, every, outputs, param_stats, optimizer, flush_every,
-        strict, log_dir, scaler, ops, escalate: As documented on :func:`graddebug.watch` (the
-        adapter checks that ``scaler`` is a scaler of its framework).
+        strict, log_dir, scaler, ops, escalate, full_stats_every: As documented on
+        :func:`graddebug.watch` (the adapter checks that ``scaler`` is a scaler of its
+        framework).
 
     Raises:
         ConfigError: An option has an unusable value, or an entry of ``layers=``, ``keep=``
@@ -97,6 +98,8 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
     """
     _positive_int("flush_every", flush_every, "steps")
     every = _positive_int("every", every, "1 records every step")
+    full_stats_every = _positive_int("full_stats_every", full_stats_every,
+                                     "1 measures every statistic on every recorded step")
     outputs = check_flag("outputs", outputs)
     check_flag("strict", strict)
     ops = check_flag("ops", ops)
@@ -140,6 +143,7 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
         ops=ops,
         escalate=escalate,
         op_sites=frozenset(sites),
+        full_stats_every=full_stats_every,
     )
 
 

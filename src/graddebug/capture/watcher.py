@@ -21,6 +21,7 @@ from graddebug.capture.layers import Intervention, is_op_site
 from graddebug.capture.metadata import run_metadata
 from graddebug.capture.options import build_options, check_tensorboard
 from graddebug.capture.results import RunResults
+from graddebug.capture.tiers import StatTiers
 from graddebug.config import Thresholds
 from graddebug.errors import (
     ConfigError,
@@ -80,12 +81,13 @@ class Watcher(RunResults):
         tensorboard: str | os.PathLike[str] | None = None,
         ops: bool = False,
         escalate: bool = False,
+        full_stats_every: int = 10,
     ) -> None:
         self._options = build_options(
             params=params, layers=layers, keep=keep, intervene=intervene, every=every,
             outputs=outputs, param_stats=param_stats, optimizer=optimizer,
             flush_every=flush_every, strict=strict, log_dir=log_dir, scaler=scaler, ops=ops,
-            escalate=escalate)
+            escalate=escalate, full_stats_every=full_stats_every)
         if model is None and (self._options.ops or self._options.escalate):
             option = "ops" if self._options.ops else "escalate"
             raise ConfigError(
@@ -102,6 +104,7 @@ class Watcher(RunResults):
                            keep_steps=check_keep_steps(keep_steps), warn=self.warn_once)
         super().__init__(buffer, Thresholds.coerce(thresholds),
                          plugin_manager or get_plugin_manager())
+        self._tiers = StatTiers(self.every, self._options.full_stats_every)
         self._escalation = (Escalation(self.thresholds)
                             if self._options.escalate and not self._options.ops else None)
         self._adapter: Adapter | None = None
@@ -198,6 +201,13 @@ class Watcher(RunResults):
     def recording(self) -> bool:
         """Whether the open step is recorded (``every=N`` records steps 0, N, 2N, ...)."""
         return self._active and self._step % self.every == 0
+
+    @property
+    def full_stats(self) -> bool:
+        """Whether the open step measures every statistic of layer-output gradients: one
+        recorded step in ``full_stats_every``, and the one after an unusual sentinel (see
+        :mod:`graddebug.capture.tiers`)."""
+        return self._tiers.full(self._step)
 
     @property
     def capture_ops(self) -> bool:
@@ -360,6 +370,7 @@ class Watcher(RunResults):
                     result = adapter.close_step(self._step, grads, record=recording)
                     if recording:
                         self._buffer.add(self._step, result)
+                        self._pick_tier(result)
                 if recording and self._escalation is not None:
                     self._escalate(result)
                 if recording:
@@ -369,6 +380,13 @@ class Watcher(RunResults):
             self._closed = by
         self._step += 1
         return result if recording else None
+
+    def _pick_tier(self, result: StepResult) -> None:
+        """Let the rows of the step just recorded decide the next step's tier."""
+        try:
+            self._tiers.after(self._step, result)
+        except Exception as exc:  # fail-open: the next steps then keep their tier
+            self.internal_error(exc, "tiers")
 
     def _escalate(self, result: StepResult) -> None:
         """Arm op-level capture for the next recorded step after a finding (escalate=True)."""
@@ -510,6 +528,11 @@ def watch(model: Any = None, **options: Any) -> Watcher:
               10, the latest); None holds every step. A warning fires once they pass 1 GiB.
             - ``intervene``: ``{name: {"clip_norm": 1.0, "clip_value":, "mask":, "scale":}}``.
             - ``every``: record one step in ``every``.
+            - ``full_stats_every``: torch: one recorded step in this many (default 10; also
+              the step after a NaN/Inf or a 10x jump in a layer output's norm, and every
+              recorded step when ``every`` > 1) measures the per-unit extremes of layer-output
+              gradients; the others leave ``absmax`` and ``zero_frac`` of those rows NaN. 1
+              measures everything on every recorded step.
             - ``outputs``: False records parameters only.
             - ``param_stats``: ``"norm"`` (default) or ``"full"`` for parameter statistics.
             - ``optimizer``: the optimizer; each of its steps closes a graddebug step, so the

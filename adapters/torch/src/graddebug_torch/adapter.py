@@ -478,12 +478,14 @@ class TorchAdapter(BaseAdapter):
                 self._staging.put(seen, unit_dim), shape_text(seen.shape), seen.numel(),
                 seen.shape[unit_dim] if unit_dim is not None else 0)
         else:
-            extremes = unit_extremes(seen, unit_dim)
+            # The extremes (absmax, zero_frac) are two passes more: on full steps only.
+            full = layer.keep or self._ctx.full_stats
+            extremes = unit_extremes(seen, unit_dim) if full else None
             capture = Capture(
                 sq=square_sum(seen),
                 total=seen.sum(dtype=acc_dtype(seen)),
                 extremes=extremes,
-                absmax=whole_absmax(seen) if extremes is None else None,
+                absmax=whole_absmax(seen) if full and extremes is None else None,
                 shape=shape_text(seen.shape),
                 numel=seen.numel(),
                 pre_sq=square_sum(grad) if new is not None else None,

@@ -57,6 +57,12 @@ class Capture:
     """Number of units (features or channels); 0 without a unit axis."""
     staged: tuple[StagedGroup, int] | None = None
 
+    @property
+    def sentinel(self) -> bool:
+        """Only the sum of squares and the sum were measured, no extremes (a step that is not
+        full, see :mod:`graddebug.capture.tiers`)."""
+        return self.staged is None and self.extremes is None and self.absmax is None
+
     @classmethod
     def pending(cls, staged: tuple[StagedGroup, int], shape: str, numel: int,
                 n_units: int) -> Capture:
@@ -304,8 +310,10 @@ def _activation_values(state: StepCaptures, batch: _HostBatch, scalar_slot: slic
             if c.absmax is not None:
                 absmax = values[at]
                 at += 1
-            else:
+            elif c.extremes is not None:
                 absmax, live = unit[id(c)]
+            else:  # a sentinel
+                absmax = math.nan
             out[id(c)] = (sq, total, absmax, values[at] if c.pre_sq is not None else None,
                           live)
     return out
@@ -351,14 +359,23 @@ def _activation_record(step: int, key: Key, depth: int, calls: list[Capture],
     live = act[id(first)][4] if len(calls) == 1 else pooled_live
     units = first.n_units
     numel = first.numel if len(calls) == 1 else sum(c.numel for c in calls)
+    if any(c.sentinel for c in calls):
+        # Squares are never negative, so the sum of squares is NaN exactly when an entry is;
+        # it is Inf for an Inf entry or for finite entries whose squares overflow, which the
+        # sum tells apart (it stays finite for the latter).
+        nan = math.isnan(sq)
+        inf = not nan and math.isinf(sq) and not math.isfinite(total)
+        absmax, live = math.nan, None
+    else:
+        nan, inf = math.isnan(absmax), math.isinf(absmax)
     return _record(
         step, key[0], key[1], _ACTIVATION, depth, first.shape, numel,
         norm=math.sqrt(sq) if sq >= 0 else math.nan,
         total=total,
         absmax=absmax,
         zero_frac=(units - live) / units if live is not None and units else math.nan,
-        nan=math.isnan(absmax),
-        inf=math.isinf(absmax),
+        nan=nan,
+        inf=inf,
         pre_norm=math.sqrt(pre_sq) if pre else math.nan,
     )
 
