@@ -257,17 +257,17 @@ def test_an_output_only_eager_mode_can_judge_is_named_in_one_warning():
     assert eager.empty and compiled.empty  # no cut_graph finding either way
 
 
-def test_forward_operator_keeps_a_copy_of_the_check_it_is_handed():
-    """Inductor reuses a graph's buffers for later results: a forward check kept until the
-    step closes must be a copy. The call a compiled forward makes, by hand."""
+def test_forward_operator_measures_the_output_it_is_handed_when_it_runs():
+    """Inductor reuses a graph's buffers for later results: the operator measures an output
+    when it runs, not when the step closes. The call a compiled forward makes, by hand."""
     model, _ = _mlp()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GradDebugWarning)  # the NaN's own warning
         with graddebug.watch(model) as dbg:
-            check = torch.tensor(float("nan"))
-            torch.ops.graddebug.forward_ran(torch.zeros(()), [check], id(model[0]), "output",
+            output = torch.tensor([1.0, float("nan")])
+            torch.ops.graddebug.forward_ran(torch.zeros(()), [output], id(model[0]), "output",
                                             [0])
-            check.zero_()  # as a later kernel of the graph reusing the buffer would
+            output.zero_()  # as a later kernel of the graph reusing the buffer would
             model(torch.randn(4, 8)).square().mean().backward()
             dbg.step()
     found = dbg.findings().query("issue == 'nonfinite'")

@@ -62,6 +62,7 @@ from graddebug_torch.staging import SMALL_NUMEL, SmallGrads
 from graddebug_torch.stats import (
     acc_dtype,
     apply_intervention,
+    finiteness,
     square_sum,
     unit_extremes,
     whole_absmax,
@@ -78,20 +79,6 @@ from graddebug_torch.valueflow import ValueFlows, needs_value_flow
 from graddebug_torch.wrappers import class_name, clean_name, unwrap
 
 __all__ = ["TorchAdapter"]
-
-def _finiteness(tensor: Tensor) -> Tensor:
-    """One number that is finite exactly when ``tensor`` is, for the forward check.
-
-    An activation costs one sum (the cheapest reduction here; a float64 sum is 36x slower on
-    an 8 MB output). A tensor that needs no gradient (attention masks, position tables) may be
-    full of ``finfo.min``, whose float32 sum overflows to -inf: its largest magnitude, from
-    ``amax`` and ``amin``, cannot overflow. Such tensors are few and small.
-    """
-    data = tensor.detach()
-    if tensor.requires_grad or data.numel() == 0:
-        return data.sum(dtype=acc_dtype(tensor))
-    return torch.maximum(data.amax(), data.amin().neg()).to(acc_dtype(tensor))
-
 
 def _grad_mark(grad: Tensor | None) -> tuple[int, int] | None:
     """Which gradient a tensor's ``.grad`` holds, and how often it changed in place."""
@@ -374,7 +361,7 @@ class TorchAdapter(BaseAdapter):
             # Dynamo is tracing this hook into a compiled graph, whose operators call back
             # here (args is then a Ran) and _on_grad when it runs: see graddebug_torch.compiled.
             if torch.is_grad_enabled():
-                trace_forward(layer, module, args, output, _finiteness)
+                trace_forward(layer, module, args, output)
             return
         ctx = self._ctx
         if isinstance(args, Ran):  # a compiled forward, calling back as it runs
@@ -434,7 +421,7 @@ class TorchAdapter(BaseAdapter):
             layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
         if layer.capture and layer.check_forward:
             # Forward finiteness check: one reduction, read at the step's single sync.
-            state.forward_sums.append((key, layer.depth, _finiteness(tensor)))
+            state.forward_sums.append((key, layer.depth, finiteness(tensor)))
         if not tensor.requires_grad:
             return
         state.expected.setdefault(key, layer.depth)
