@@ -232,6 +232,38 @@ def test_detached_layer_and_nonfinite_forward_are_found_as_in_eager_mode(backend
             eager[columns].sort_values(columns).reset_index(drop=True))
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["training", "eval"])
+def test_a_nan_made_by_a_batch_norm_is_named_there_as_in_eager_mode(train: bool) -> None:
+    # compiled, a batch norm's forward check reads the tensors it normalises with, not its
+    # output; a NaN left in the running statistics matters only where they are used (eval)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 2)).train(train)
+    with torch.no_grad():
+        model[1].weight[1] = float("nan")
+    stale = copy.deepcopy(model)
+    with torch.no_grad():
+        stale[1].running_var[0] = float("nan")
+    x = torch.randn(2, 3, 8, 8)
+
+    def nonfinite(net: nn.Module, call: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GradDebugWarning)
+            with graddebug.watch(call) as dbg:
+                call(x).square().mean().backward()
+                dbg.step()
+        return dbg.findings().query("issue == 'nonfinite'")["layer"].tolist()
+
+    assert nonfinite(model, model) == ["1"]
+    compiled_model = copy.deepcopy(model)
+    assert nonfinite(compiled_model, torch.compile(compiled_model, backend="aot_eager")) == ["1"]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        stale[1].weight[1] = 1.0  # only the running statistics hold a NaN now
+    found = nonfinite(stale, torch.compile(stale, backend="aot_eager"))
+    assert found == ([] if train else ["1"])
+
+
 def test_an_output_only_eager_mode_can_judge_is_named_in_one_warning():
     class Mask(nn.Module):  # parameter-free, outside torch.nn: a cut only if values flowed
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,8 @@ order (each writes a graph input or is registered as an ordered side effect, so 
 removes or reorders it), and that call the watcher back when the graph runs:
 
 - ``graddebug::forward_ran`` in the forward graph, once per call of a watched module, with
-  the outputs it checks for NaN/Inf: the operator takes the check's one reduction when it
-  runs, outside the kernels inductor generates (fused into them, a sum over a batch norm's
-  output made the compiled CNN's step 2.8x slower on the CPU);
+  the outputs it checks for NaN/Inf (all but batch norms'): the operator takes the check's one
+  reduction when it runs, outside the kernels inductor generates;
 - ``graddebug::grad_arrived`` (``graddebug::grad_replaced`` where an intervention changes the
   gradient) in the backward graph, from a tensor hook on each output, with the gradient itself.
   Dynamo traces such a hook into the backward graph as it would any tensor hook, which keeps
@@ -37,6 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 from torch._library.effects import EffectType
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from graddebug.capture.layers import LayerSpec
 from graddebug_torch.guards import hooked_module
@@ -193,6 +193,23 @@ def _on_grad(token: int, tname: str, replace: bool, grad: Tensor) -> Tensor | No
     return None
 
 
+def _norm_state(module: _BatchNorm) -> Tensor | None:
+    """What a batch norm's forward check reads inside a compiled graph: the sum of the tensors
+    it normalises with, which is finite exactly when its output is for a finite input (None
+    when there are none: the output is then finite).
+
+    Its output handed to any reader outside inductor's own kernels (the check, fused or not)
+    made a compiled CNN's step 3x slower on the CPU. The running statistics count only where
+    the forward uses them (evaluation): a NaN left in them by an earlier step does not reach a
+    training-mode output.
+    """
+    parts: list[Tensor | None] = [module.weight, module.bias]
+    if not (module.training or module.running_mean is None):
+        parts += [module.running_mean, module.running_var]
+    sums = [p.detach().float().sum() for p in parts if p is not None]
+    return torch.stack(sums).sum() if sums else None
+
+
 def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
     """The forward hook's body while dynamo traces it: emit the operators, touch no state.
 
@@ -214,6 +231,9 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any) -
     token = id(module)
     names: list[str] = []
     checked: list[Tensor | None] = []
+    check = layer.capture and layer.check_forward
+    norm = isinstance(module, _BatchNorm)
+    state = _norm_state(module) if check and isinstance(module, _BatchNorm) else None
     flags: list[int] = []
     for tname, tensor in flatten(output):
         if not tensor.is_floating_point():
@@ -232,6 +252,6 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any) -
         elif inputs_need_grad:
             flag |= severs
         names.append(tname)
-        checked.append(tensor if layer.capture and layer.check_forward else None)
+        checked.append(None if not check else state if norm else tensor)
         flags.append(flag)
     torch.ops.graddebug.forward_ran(_SINK, checked, token, _SEP.join(names), flags)
