@@ -232,6 +232,11 @@ class Adapter(Protocol):
     def distribution(self) -> Distribution:
         """This process's rank, the world size and the backend (read on entering)."""
 
+    def next_step_full(self, full: bool) -> None:
+        """Say whether the next step measures every statistic of layer outputs (called after
+        each recorded step closes, once the Watcher has read its rows; see
+        :attr:`WatchContext.full_stats`), for adapters whose compiled graphs cannot ask."""
+
     def matched_names(self) -> set[str]:
         """Names from ``keep=`` and ``intervene=`` that matched a layer or a tap so far."""
 
@@ -385,6 +390,9 @@ class BaseAdapter:
     def distribution(self) -> Distribution:
         """One process, not distributed (adapters of distributed frameworks override it)."""
         return Distribution()
+
+    def next_step_full(self, full: bool) -> None:
+        """Nothing to do where hooks ask :attr:`WatchContext.full_stats` as they run."""
 
     def _fail_open(self, where: str) -> FailOpen:
         """``with self._fail_open(layer): ...`` around the body of every hook.

@@ -370,7 +370,7 @@ class Watcher(RunResults):
                     result = adapter.close_step(self._step, grads, record=recording)
                     if recording:
                         self._buffer.add(self._step, result)
-                        self._pick_tier(result)
+                        self._pick_tier(adapter, result)
                 if recording and self._escalation is not None:
                     self._escalate(result)
                 if recording:
@@ -381,10 +381,15 @@ class Watcher(RunResults):
         self._step += 1
         return result if recording else None
 
-    def _pick_tier(self, result: StepResult) -> None:
-        """Let the rows of the step just recorded decide the next step's tier."""
+    def _pick_tier(self, adapter: Adapter, result: StepResult) -> None:
+        """Let the rows of the step just recorded decide the next step's tier, and tell the
+        adapter."""
         try:
             self._tiers.after(self._step, result)
+            # Adapters written before next_step_full() existed ask full_stats as they run.
+            tell = getattr(adapter, "next_step_full", None)
+            if tell is not None:
+                tell(self._tiers.full(self._step + self.every))
         except Exception as exc:  # fail-open: the next steps then keep their tier
             self.internal_error(exc, "tiers")
 
@@ -528,7 +533,7 @@ def watch(model: Any = None, **options: Any) -> Watcher:
               10, the latest); None holds every step. A warning fires once they pass 1 GiB.
             - ``intervene``: ``{name: {"clip_norm": 1.0, "clip_value":, "mask":, "scale":}}``.
             - ``every``: record one step in ``every``.
-            - ``full_stats_every``: torch: one recorded step in this many (default 10; also
+            - ``full_stats_every``: one recorded step in this many (default 10; also
               the step after a NaN/Inf or a 10x jump in a layer output's norm, and every
               recorded step when ``every`` > 1) measures the per-unit extremes of layer-output
               gradients; the others leave ``absmax`` and ``zero_frac`` of those rows NaN. 1

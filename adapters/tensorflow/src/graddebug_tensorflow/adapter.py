@@ -133,6 +133,7 @@ class TensorFlowAdapter(BaseAdapter):
         self._patches: list[_Patch] = []
         self._eager_calls: dict[tuple[str, str, int], int] = {}
         self._recording_var: tf.Variable | None = None
+        self._full_var: tf.Variable | None = None  # the tier of the next step, for graphs
         self._scale: LossScale | None = None  # the loss scaling of the bound optimizer
         if self._index is not None:
             self._targets = self._add_layers(
@@ -168,6 +169,8 @@ class TensorFlowAdapter(BaseAdapter):
         functions so that ``fit``/``evaluate``/``predict`` trace the wrapped calls."""
         if self._options.every > 1:
             self._recording_var = tf.Variable(True, trainable=False, name="graddebug_recording")
+        elif self._options.full_stats_every > 1:
+            self._full_var = tf.Variable(True, trainable=False, name="graddebug_full_stats")
         # State created now, eagerly, spares the user's tf.function a second trace.
         self._buffers.reserve(sum(layer.capture for layer in self._layers.values()))
         self._params.resolve()
@@ -441,10 +444,13 @@ class TensorFlowAdapter(BaseAdapter):
             def write() -> tf.Tensor:
                 scale = None if self._scale is None else self._scale.current()
                 var = self._buffers.local(slot.var)
+                full: Any = layer.keep or self._full_var is None
                 if tf.executing_eagerly():
-                    _write_activation(var, slot.row_tensor, new, pre, unit_axis, scale)
+                    _write_activation(var, slot.row_tensor, new, pre, unit_axis, scale,
+                                      full or self._ctx.full_stats)
                 else:
-                    write_activation(var, slot.row, new, pre, unit_axis, scale)
+                    write_activation(var, slot.row, new, pre, unit_axis, scale,
+                                     full or self._full_var)
                 if slot.keep_var is not None and (
                         self._buffers.replicas == 1 or replica_index() == 0):
                     slot.keep_var.assign(new)
@@ -539,6 +545,11 @@ class TensorFlowAdapter(BaseAdapter):
             self._eager_calls.clear()
             if self._recording_var is not None:
                 self._recording_var.assign((step + 1) % self._options.every == 0)
+
+    def next_step_full(self, full: bool) -> None:
+        """Set the tier that the next step's compiled graphs read."""
+        if self._full_var is not None:
+            self._full_var.assign(full)
 
     def _param_depth(self, param: Param) -> int:
         return self._depth_of(param.chain)

@@ -13,7 +13,7 @@ from graddebug.capture.layers import keep_label
 from graddebug.records import Event, EventKind, Kind, Record
 from graddebug_tensorflow.buffers import ScalerCol
 from graddebug_tensorflow.params import UNMEASURED
-from graddebug_tensorflow.stats import Col
+from graddebug_tensorflow.stats import NOT_MEASURED, Col
 
 if TYPE_CHECKING:
     from graddebug_tensorflow.outputs import Slot
@@ -76,6 +76,14 @@ def _activation(step: int, layer: str, tname: str, depth: int,
     total = sum(float(r[Col.SUM]) for r in rows)
     absmaxes = [float(r[Col.ABSMAX]) for r in rows]
     absmax = math.nan if any(math.isnan(a) for a in absmaxes) else max(absmaxes)
+    if any(r[Col.LIVE] == NOT_MEASURED for r in rows):
+        # The sentinel only: the sum of squares is NaN exactly when an entry is; it is Inf for
+        # an Inf entry or for finite entries whose squares overflow, which the sum tells apart.
+        nan = math.isnan(sq)
+        inf = not nan and math.isinf(sq) and not math.isfinite(total)
+        absmax = math.nan
+    else:
+        nan, inf = math.isnan(sq) or math.isnan(absmax), math.isinf(absmax)
     pre = [float(r[Col.PRE_SQ]) for r in rows if r[Col.PRE_SQ] >= 0 or math.isnan(r[Col.PRE_SQ])]
     # A unit is dead only if it is dead in every call; per-call counts bound that from above.
     dead = [(r[Col.UNITS] - r[Col.LIVE]) / r[Col.UNITS] for r in rows if r[Col.UNITS] > 0]
@@ -89,8 +97,8 @@ def _activation(step: int, layer: str, tname: str, depth: int,
         total=total,
         absmax=absmax,
         zero_frac=float(min(dead)) if dead else math.nan,
-        nan=math.isnan(sq) or math.isnan(absmax),
-        inf=math.isinf(absmax),
+        nan=nan,
+        inf=inf,
         pre_norm=math.sqrt(sum(pre)) if pre else math.nan,
         rank=rank,
     )

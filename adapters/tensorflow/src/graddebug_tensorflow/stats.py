@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any
 
 import tensorflow as tf
@@ -47,13 +48,18 @@ class Col:
     SQ = 3
     SUM = 4
     ABSMAX = 5
-    LIVE = 6  # units whose gradient is non-zero somewhere in the batch (-1 without units)
+    LIVE = 6  # units whose gradient is non-zero somewhere in the batch (-1 without units;
+    # NOT_MEASURED on a step that measured the sentinel only)
     UNITS = 7
     PRE_SQ = 8  # sum of squares before an intervention (-1 when none acted)
     NUMEL = 9
     RANK = 10
     DIMS = 11
 
+
+NOT_MEASURED = -2.0
+"""``Col.LIVE`` of a row whose extremes (``absmax``, live units) were not measured: a step that
+is not full (:mod:`graddebug.capture.tiers`)."""
 
 ACT_WIDTH = Col.DIMS + MAX_DIMS
 PARAM_WIDTH = 4  # written, sum of squares, sum, absmax
@@ -79,32 +85,45 @@ def forward_row(output: tf.Tensor, check: bool = True) -> tf.Tensor:
     return tf.stack([tf.constant(1.0, _ROW), _scalar(tf.reduce_sum(wide))])
 
 
-def activation_row(grad: tf.Tensor, unit_axis: int | None, pre: tf.Tensor | None) -> tf.Tensor:
+def _extremes(wide: tf.Tensor, unit_axis: int | None) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """``absmax``, live units and units of a gradient (units -1 without a unit axis)."""
+    rank = wide.shape.rank
+    if unit_axis is not None and rank is not None and rank >= 2:
+        axes = [a for a in range(rank) if a != unit_axis]
+        per_unit = tf.maximum(tf.reduce_max(wide, axes), -tf.reduce_min(wide, axes))
+        return (_scalar(tf.reduce_max(per_unit)), _scalar(tf.math.count_nonzero(per_unit)),
+                _scalar(tf.size(per_unit)))
+    absmax = tf.maximum(tf.reduce_max(wide), -tf.reduce_min(wide))
+    return _scalar(absmax), tf.constant(-1.0, _ROW), tf.constant(-1.0, _ROW)
+
+
+def _unmeasured() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    return (tf.constant(math.nan, _ROW), tf.constant(NOT_MEASURED, _ROW),
+            tf.constant(-1.0, _ROW))
+
+
+def activation_row(grad: tf.Tensor, unit_axis: int | None, pre: tf.Tensor | None,
+                   full: Any = True) -> tf.Tensor:
     """Columns ``BWD`` to the end of an activation row for ``grad``.
 
     Args:
         grad: The gradient as it flows on (after any intervention).
         unit_axis: The axis of units (features, channels), or None for no unit axis.
         pre: The gradient before an intervention, or None when none acted.
+        full: Measure the extremes too: a bool, or a boolean tensor read in the graph.
     """
     wide = grad if grad.dtype in (tf.float32, tf.float64) else tf.cast(grad, tf.float32)
-    rank = wide.shape.rank
-    if unit_axis is not None and rank is not None and rank >= 2:
-        axes = [a for a in range(rank) if a != unit_axis]
-        per_unit = tf.maximum(tf.reduce_max(wide, axes), -tf.reduce_min(wide, axes))
-        absmax = tf.reduce_max(per_unit)
-        live = _scalar(tf.math.count_nonzero(per_unit))
-        units = _scalar(tf.size(per_unit))
+    if isinstance(full, bool):
+        absmax, live, units = _extremes(wide, unit_axis) if full else _unmeasured()
     else:
-        absmax = tf.maximum(tf.reduce_max(wide), -tf.reduce_min(wide))
-        live = units = tf.constant(-1.0, _ROW)
+        absmax, live, units = tf.cond(full, lambda: _extremes(wide, unit_axis), _unmeasured)
     shape = tf.shape(wide, out_type=tf.int64)
     dims = tf.pad(shape[:MAX_DIMS], [[0, MAX_DIMS - tf.minimum(tf.size(shape), MAX_DIMS)]])
     head = tf.stack([
         tf.constant(1.0, _ROW),
         _scalar(square_sum(grad)),
         _scalar(tf.reduce_sum(wide)),
-        _scalar(absmax),
+        absmax,
         live,
         units,
         _scalar(square_sum(pre)) if pre is not None else tf.constant(-1.0, _ROW),
@@ -178,10 +197,11 @@ def write_forward(var: tf.Variable, row: Any, output: tf.Tensor, check: bool = T
 
 
 def write_activation(var: tf.Variable, row: Any, grad: tf.Tensor, pre: tf.Tensor | None,
-                     unit_axis: int | None, scale: Any) -> None:
+                     unit_axis: int | None, scale: Any, full: Any = True) -> None:
     """Write the statistics of ``grad`` into row ``row`` of ``var``, dividing out the loss
-    ``scale`` when one is given."""
-    values = activation_row(grad, unit_axis, pre)
+    ``scale`` when one is given; the extremes only where ``full`` (see
+    :func:`activation_row`)."""
+    values = activation_row(grad, unit_axis, pre, full)
     if scale is not None:
         values = unscale_row(values, scale)
     var[row, Col.BWD :].assign(values)
