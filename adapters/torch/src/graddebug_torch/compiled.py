@@ -232,8 +232,8 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any) -
     names: list[str] = []
     checked: list[Tensor | None] = []
     check = layer.capture and layer.check_forward
-    norm = isinstance(module, _BatchNorm)
-    state = _norm_state(module) if check and isinstance(module, _BatchNorm) else None
+    norm = module if isinstance(module, _BatchNorm) else None
+    state = _norm_state(norm) if check and norm is not None else None
     flags: list[int] = []
     for tname, tensor in flatten(output):
         if not tensor.is_floating_point():
@@ -252,6 +252,6 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any) -
         elif inputs_need_grad:
             flag |= severs
         names.append(tname)
-        checked.append(None if not check else state if norm else tensor)
+        checked.append(None if not check else tensor if norm is None else state)
         flags.append(flag)
     torch.ops.graddebug.forward_ran(_SINK, checked, token, _SEP.join(names), flags)

@@ -46,7 +46,7 @@ import inspect
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any
@@ -62,8 +62,8 @@ from graddebug.adapter import StepResult
 from graddebug.capture.layers import LayerSpec, is_op_site, keep_label, op_site_matches
 from graddebug.records import Event, EventKind, Kind
 from graddebug_torch.guards import in_functorch_transform
-from graddebug_torch.outputs import CHANNELS_FIRST, flatten
-from graddebug_torch.stats import acc_dtype
+from graddebug_torch.outputs import CHANNELS_FIRST, flatten, tensors
+from graddebug_torch.stats import finiteness
 
 if TYPE_CHECKING:
     from graddebug_torch.adapter import TorchAdapter
@@ -137,17 +137,6 @@ def _arguments(args: Any, kwargs: Any) -> list[Tensor]:
         elif isinstance(value, (list, tuple)):
             found += [v for v in value if isinstance(v, Tensor)]
     return found
-
-
-def _tensors(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 @dataclass(eq=False, slots=True)
@@ -512,7 +501,7 @@ class OpCapture:
                 self._follow(func, site, _arguments(args, kwargs),
                              (out,) if is_tensor else out)
             elif site.spec.intervention is not None:
-                for tensor in _tensors(out):
+                for tensor in tensors(out):
                     self._adapter._intervene_unrecorded(tensor, site.spec.intervention,
                                                         site.spec.name)
 
@@ -599,7 +588,7 @@ class OpCapture:
                 cut_in.through = cut_in.through or site.source
                 self._escaped = cut_in
             return
-        for out in _tensors(outputs):
+        for out in tensors(outputs):
             if not out.is_floating_point():
                 continue
             if out.requires_grad:
@@ -649,7 +638,7 @@ class OpCapture:
             spec.check_mask(mask, tuple(tensor.shape), isinstance(mask, Tensor))
         key = held.check[1] = site.key
         self._step.used[key] = site
-        state.forward_sums.append((key, site.depth, tensor.detach().sum(dtype=acc_dtype(tensor))))
+        state.forward_sums.append((key, site.depth, finiteness(tensor)))
         hook = adapter._grad_hooks.get(key)
         if hook is None:  # one per site, reused every step
             hook = adapter._grad_hooks[key] = functools.partial(adapter._on_grad, spec,

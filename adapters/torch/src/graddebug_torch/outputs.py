@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor, nn
 
 __all__ = ["CHANNELS_FIRST", "KEEPS_FINITE", "SEVERED_DETAIL", "any_requires_grad", "fits",
-           "flatten", "owns_params", "unit_dim"]
+           "flatten", "owns_params", "tensors", "unit_dim"]
 
 SEVERED_DETAIL = "its input requires a gradient but its output does not"
 """What a module did when its output needs no gradient although one of its inputs does."""
@@ -67,6 +67,19 @@ def flatten(value: Any, path: str = "output") -> Iterator[tuple[str, Tensor]]:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             yield from flatten(getattr(value, f.name), f"{path}.{f.name}")
+
+
+def tensors(value: Any) -> Iterator[Tensor]:
+    """Every tensor in a (nested) tuple, list or mapping: :func:`flatten` without the names
+    and dataclasses, for the per-operation paths (value following, op capture)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from tensors(item)
 
 
 def any_requires_grad(value: Any) -> bool:

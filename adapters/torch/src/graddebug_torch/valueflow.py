@@ -19,7 +19,7 @@ so the cost stays off the common path.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -27,6 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
+
+from graddebug_torch.outputs import tensors
 
 __all__ = ["ValueFlow", "ValueFlows", "needs_value_flow"]
 
@@ -60,17 +62,6 @@ def needs_value_flow(module: nn.Module) -> bool:
     return not any(p.requires_grad for p in module.parameters(recurse=False))
 
 
-def _tensors(value: Any) -> Iterable[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 class ValueFlow(TorchFunctionMode):
     """Follows the values of the differentiable inputs of one module call.
 
@@ -82,7 +73,7 @@ class ValueFlow(TorchFunctionMode):
         super().__init__()
         self._marked: dict[int, weakref.ref[Tensor]] = {}
         self.escaped = False
-        for tensor in _tensors(inputs):
+        for tensor in tensors(inputs):
             if tensor.requires_grad:
                 self._mark(tensor)
 
@@ -99,7 +90,7 @@ class ValueFlow(TorchFunctionMode):
         return any(
             tensor.is_floating_point() and not tensor.requires_grad
             and (self.escaped or self.marked(tensor))
-            for tensor in _tensors(output)
+            for tensor in tensors(output)
         )
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
@@ -108,12 +99,12 @@ class ValueFlow(TorchFunctionMode):
         result = func(*args, **kwargs)
         if func in _METADATA or not self._marked:
             return result
-        if not any(self.marked(t) for t in _tensors((args, kwargs))):
+        if not any(self.marked(t) for t in tensors((args, kwargs))):
             return result
         if func in _ESCAPES:
             self.escaped = True
             return result
-        for tensor in _tensors(result):
+        for tensor in tensors(result):
             self._mark(tensor)
         name = getattr(func, "__name__", "")
         if args and isinstance(args[0], Tensor) and (name.endswith("_") or name == "__setitem__"):
@@ -151,7 +142,7 @@ class ValueFlows:
             flow = None
             if active():
                 with guard():
-                    if any(t.requires_grad for t in _tensors((args, kwargs))):
+                    if any(t.requires_grad for t in tensors((args, kwargs))):
                         flow = ValueFlow((args, kwargs))
                         flow.__enter__()
             self._running.setdefault(id(module), []).append(flow)
