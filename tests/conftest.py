@@ -8,6 +8,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import math
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,3 +27,14 @@ def make_record(step: int, layer: str, depth: int, norm: float, *, kind: str = "
 def record() -> type[Record]:
     """The Record type, for tests that build records by hand."""
     return Record
+
+
+@pytest.fixture
+def mixed_precision() -> Iterator[None]:
+    """Keras' ``mixed_float16`` policy for one test, restored to float32 after it."""
+    keras = pytest.importorskip("keras")
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

@@ -17,15 +17,6 @@ HUGE = 2.0**40  # scaled gradients of a float16 layer overflow at this scale
 FP16 = 2e-2  # float16 forward and backward: agreement to half precision, far from 2**15
 
 
-@pytest.fixture
-def mixed_precision():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        yield
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-
-
 def data(steps: int = 3):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH * steps, 8)).astype(np.float32)

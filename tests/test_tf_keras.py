@@ -50,15 +50,6 @@ def test_fit_with_xla_records_the_same_gradients():
         assert got[f"{layer}/{name}"] == pytest.approx(norm, rel=1e-5)
 
 
-@pytest.fixture
-def mixed_precision():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        yield
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-
-
 def test_mixed_precision_parameter_gradients_are_unscaled(mixed_precision):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(16, activation="relu"),
