@@ -4,6 +4,8 @@ per-hook reductions that larger gradients get."""
 from __future__ import annotations
 
 import copy
+import gc
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
@@ -88,3 +90,159 @@ def test_staged_norm_matches_an_independent_reference():
     assert row["norm"].item() == pytest.approx(dh.norm().item(), rel=1e-6)
     assert row["absmax"].item() == pytest.approx(dh.abs().max().item(), rel=1e-6)
     assert row["mean"].item() == pytest.approx(dh.mean().item(), rel=1e-5, abs=1e-8)
+
+
+class _Mixed(nn.Module):
+    """Small outputs (staged for the forward check) between large ones (checked in place);
+    ``poison`` names the layer whose forward turns one entry NaN."""
+
+    def __init__(self, poison: str) -> None:
+        super().__init__()
+        self.small1 = nn.Linear(8, 8)
+        self.big = nn.Linear(8, 5000)  # 4 x 5000 outputs: more than staging takes
+        self.small2 = nn.Linear(5000, 8)
+        self.small3 = nn.Linear(8, 1)
+        self.poison = poison
+        for name in ("small1", "big", "small2", "small3"):
+            getattr(self, name).register_forward_hook(self._poison)
+
+    def _poison(self, module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        if module is getattr(self, self.poison):
+            output = output.clone()
+            output[0, 0] = float("nan")
+        return output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small3(self.small2(self.big(self.small1(x))))
+
+
+@pytest.mark.parametrize("poison", ["small1", "big", "small2"])
+def test_forward_check_names_the_layer_among_staged_and_unstaged_outputs(poison):
+    torch.manual_seed(0)
+    model = _Mixed(poison)
+    with graddebug.watch(model) as dbg:
+        model(torch.randn(4, 8)).sum().backward()
+        dbg.step()
+    events = dbg.events()
+    born = events[events["event"] == "forward_nonfinite"]
+    # The first layer in forward order whose output held NaN is the poisoned one.
+    assert born.sort_values("depth")["layer"].iloc[0] == poison
+    # The NaN flows on through every later layer, and none before it is marked.
+    order = ["small1", "big", "small2", "small3"]
+    assert set(born["layer"]) == set(order[order.index(poison):])
+    findings = dbg.findings()
+    nonfinite = findings[findings["issue"] == "nonfinite"]
+    assert list(nonfinite["layer"]) == [poison]
+
+
+class _GcProbe(torch.autograd.Function):
+    """Identity whose backward notes whether the garbage collector was enabled."""
+
+    seen: ClassVar[list[bool]] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _GcProbe.seen.append(gc.isenabled())
+        return grad
+
+
+class _Probe(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GcProbe.apply(x)
+
+
+def test_collector_paused_during_a_recorded_backward_and_resumed_after():
+    torch.manual_seed(0)
+    # The probe's backward runs after the last layer's gradient was recorded.
+    model = nn.Sequential(nn.Linear(4, 4), _Probe(), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    assert gc.isenabled()
+    _GcProbe.seen.clear()
+    with graddebug.watch(model) as dbg:
+        model(x).sum().backward()
+        assert gc.isenabled()  # resumed when the backward pass ended, before step()
+        dbg.step()
+    assert _GcProbe.seen == [False]
+    # Unwatched, the collector is left alone.
+    _GcProbe.seen.clear()
+    model(x).sum().backward()
+    assert _GcProbe.seen == [True]
+
+
+def test_collector_resumed_after_a_backward_that_raised():
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    with graddebug.watch(model) as dbg:
+        out = model(Boom.apply(x.requires_grad_()))
+        with pytest.raises(RuntimeError, match="boom"):
+            out.sum().backward()
+        model(x)  # the next forward resumes it
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError, match="boom"):
+            model(Boom.apply(x)).sum().backward()
+        dbg.step()  # so does closing the step
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError, match="boom"):
+            model(Boom.apply(x)).sum().backward()
+    assert gc.isenabled()  # and leaving watch()
+
+
+def test_collector_the_user_disabled_stays_disabled():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    gc.disable()
+    try:
+        with graddebug.watch(model) as dbg:
+            model(torch.randn(3, 4)).sum().backward()
+            dbg.step()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_hooks_of_a_closed_step_are_removed():
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(2, 4)
+    with graddebug.watch(params={"w": w}) as dbg:
+        h = x @ w
+        hidden = dbg.tap(h * 2.0, "doubled")
+        hidden.sum().backward(retain_graph=True)
+        dbg.step()
+        # A second backward through the graph of the closed step: the tap's hook is gone.
+        hidden.sum().backward()
+        dbg.step()
+    frame = dbg.frame()
+    assert list(frame.query("layer == 'w'")["step"]) == [0, 1]
+    assert list(frame.query("layer == 'doubled'")["step"]) == [0]
+    assert not hidden._backward_hooks
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: its hooks go through Tensor.register_hook."""
+
+
+def test_tap_on_a_tensor_subclass_records_its_gradient():
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(2, 4)
+    with graddebug.watch(params={"w": w}) as dbg:
+        h = (x @ w).as_subclass(_Marked)
+        tapped = dbg.tap(h, "h")
+        (tapped.sin()).sum().backward()
+        dbg.step()
+    h_ref = x @ w.detach()
+    (ref,) = torch.autograd.grad(h_ref.requires_grad_().sin().sum(), h_ref)
+    row = dbg.frame().query("layer == 'h'")
+    assert row["norm"].item() == pytest.approx(ref.norm().item(), rel=1e-6)

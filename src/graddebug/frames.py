@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -66,12 +67,16 @@ def _typed(rows: Sequence[tuple[object, ...]], fields: Sequence[str], columns: S
     return pd.DataFrame(data, columns=list(columns))
 
 
-def record_frame(records: Sequence[Record]) -> pd.DataFrame:
+_PRE_NORM = Record._fields.index("pre_norm")
+
+
+def record_frame(records: Sequence[tuple[Any, ...]]) -> pd.DataFrame:
     """Return one row per (step, tensor), columns in contract order.
 
-    ``pre_norm`` (before ``rank``) is there only when at least one intervention acted.
+    ``records`` are :class:`~graddebug.records.Record` rows, or plain tuples in its field
+    order. ``pre_norm`` (before ``rank``) is there only when at least one intervention acted.
     """
-    has_pre = any(not math.isnan(r.pre_norm) for r in records)
+    has_pre = any(not math.isnan(r[_PRE_NORM]) for r in records)
     columns = Record._fields if has_pre else RECORD_COLUMNS
     return _typed(records, Record._fields, columns, RECORD_DTYPES)
 

@@ -86,7 +86,12 @@ class RunBuffer:
                  warn: Warn | None = None) -> None:
         self._describe = describe
         self._on_bug = on_bug
-        self.records: list[Record] = []
+        self.records: list[tuple[Any, ...]] = []
+        """Record rows as plain tuples in :class:`~graddebug.records.Record` field order: the
+        collector stops tracking a plain tuple of numbers and strings the first time it looks
+        at one, where a named tuple stays tracked. A large model keeps tens of thousands of
+        rows a step, which would otherwise fill the oldest generation and make its
+        whole-heap collections frequent."""
         self.events: list[Event] = []
         self.internal: list[Finding] = []
         self.kept = KeptGradients(keep_steps, warn or (lambda key, message: None))
@@ -109,7 +114,7 @@ class RunBuffer:
         if rank:  # adapters build rows for rank 0; each process knows its own rank
             records = [r._replace(rank=rank) for r in records]
             events = [e._replace(rank=rank) for e in events]
-        self.records.extend(sorted(records, key=_row_order))
+        self.records.extend(map(tuple, sorted(records, key=_row_order)))
         self.events.extend(events)
         if result.kept:
             self.kept.add(step, result.kept)

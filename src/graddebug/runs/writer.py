@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from graddebug.errors import ConfigError, GradDebugError, RunFileError
-from graddebug.records import Event, Finding, Record
+from graddebug.records import Event, Finding
 from graddebug.runs.arrowio import (
     ColumnSpec,
     frame_spec,
@@ -211,7 +211,7 @@ class RunWriter:
         return (self._pending_steps >= self.flush_every
                 or time.monotonic() - self._last_flush >= FLUSH_SECONDS)
 
-    def flush(self, records: Sequence[Record], events: Sequence[Event],
+    def flush(self, records: Sequence[tuple[Any, ...]], events: Sequence[Event],
               internal: Sequence[Finding]) -> None:
         """Write the buffered rows as one part per stream; the caller then drops them."""
         self._pending_steps = 0
@@ -225,7 +225,7 @@ class RunWriter:
                 _write_parquet(self.path / stream / name, rows_to_table(rows, fields, types))
         self._parts += 1
 
-    def read(self, records: Sequence[Record], events: Sequence[Event]
+    def read(self, records: Sequence[tuple[Any, ...]], events: Sequence[Event]
              ) -> tuple[pd.DataFrame, pd.DataFrame]:
         """Return the record and event frames of the whole run: flushed parts plus ``records``
         and ``events`` still in memory.

@@ -62,13 +62,14 @@ from graddebug_torch.staging import SMALL_NUMEL, SmallGrads
 from graddebug_torch.stats import (
     acc_dtype,
     apply_intervention,
-    finiteness,
     square_sum,
     unit_extremes,
     whole_absmax,
 )
 from graddebug_torch.step import (
+    BackwardPause,
     Capture,
+    ForwardChecks,
     ParamGrad,
     StepCaptures,
     gather,
@@ -118,8 +119,10 @@ class TorchAdapter(BaseAdapter):
         self._modules: dict[str, nn.Module] = {}
         self._params: list[TorchParam] = []
         self._handles: list[RemovableHandle] = []
-        self._state = StepCaptures()
-        self._staging = SmallGrads()
+        self._staging = SmallGrads()  # gradients
+        self._pause = BackwardPause()
+        self._forward_staging = SmallGrads()  # outputs, for the forward check
+        self._state = StepCaptures(forward=ForwardChecks(self._forward_staging))
         self._owners = ModuleOwners()
         self._grad_hooks: dict[tuple[str, str], Callable[[Tensor], Tensor | None]] = {}
         self._was_training: bool | None = None
@@ -342,7 +345,7 @@ class TorchAdapter(BaseAdapter):
             # shape); a kernel each here would cost more than the data. So are those of a
             # multi-rank run, still to be all-reduced or measured over the ranks (FSDP2 on a
             # GPU writes a sharded gradient on another stream while this hook runs).
-            state.received[index] = ParamGrad(grad, None, grad._version)
+            state.received[index] = grad
             return
         with self._fail_open(self._params[index].layer):
             dense = not grad.is_sparse and grad.is_contiguous()
@@ -374,7 +377,7 @@ class TorchAdapter(BaseAdapter):
                                                   strict=True):
                         key = (layer.name, tname)
                         if check is not None:
-                            state.forward_sums.append((key, layer.depth, check))
+                            state.forward.add(key, layer.depth, check)
                         if flag & NEEDS_GRAD:
                             state.expected.setdefault(key, layer.depth)
                         if flag & SEVERED:
@@ -386,6 +389,8 @@ class TorchAdapter(BaseAdapter):
                                           UNJUDGED_WARNING.format(layer=layer.name))
             return
         flow = self._flows.finished(module)
+        if self._pause.paused:  # a backward pass raised before its end
+            self._pause.resume()
         if in_functorch_transform():
             self._skip_transformed()
             return
@@ -421,21 +426,21 @@ class TorchAdapter(BaseAdapter):
             layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
         if layer.capture and layer.check_forward:
             # Forward finiteness check: one reduction, read at the step's single sync.
-            state.forward_sums.append((key, layer.depth, finiteness(tensor)))
+            state.forward.check(key, layer.depth, tensor)
         if not tensor.requires_grad:
             return
         state.expected.setdefault(key, layer.depth)
         hook = self._grad_hooks.get(key)
         if hook is None:  # one per output, reused every step
             hook = self._grad_hooks[key] = functools.partial(self._on_grad, layer, tname)
-        state.handles.append(tensor.register_hook(hook))
+        state.hooks.add(tensor, hook)
 
     def _intervene_unrecorded(self, tensor: Tensor, spec: Intervention | None,
                               name: str) -> None:
         """Interventions act on every step: on steps ``every=`` skips, alter without recording."""
         if spec is not None and spec.active and tensor.requires_grad:
             hook = functools.partial(self._intervene, spec, name)
-            self._state.handles.append(tensor.register_hook(hook))
+            self._state.hooks.add(tensor, hook)
 
     def _intervene(self, spec: Intervention, name: str, grad: Tensor) -> Tensor:
         return intervene_fail_open(spec, name, grad, apply_intervention, fits,
@@ -456,13 +461,16 @@ class TorchAdapter(BaseAdapter):
 
     def _record_grad(self, layer: LayerSpec, tname: str, grad: Tensor,
                      new: Tensor | None) -> None:
+        if not self._pause.paused:
+            self._pause.start()
         seen = new if new is not None else grad
         if seen.is_sparse:
             seen = seen.coalesce().values()
         unit_dim = _unit_dim(seen.dim(), layer.channels_first)
         if new is None and SmallGrads.fits(seen):
+            group = self._staging.group(seen, unit_dim)
             capture = Capture.pending(
-                self._staging.put(seen, unit_dim), shape_text(seen.shape), seen.numel(),
+                group, group.put(seen), shape_text(seen.shape), seen.numel(),
                 seen.shape[unit_dim] if unit_dim is not None else 0)
         else:
             # The extremes (absmax, zero_frac) are two passes more: on full steps only.
@@ -478,22 +486,19 @@ class TorchAdapter(BaseAdapter):
                 pre_sq=square_sum(grad) if new is not None else None,
                 n_units=0 if extremes is None else extremes[0].numel(),
             )
-        key = (layer.name, tname)
-        calls = self._state.captures.get(key)
-        if calls is None:
-            calls = self._state.captures[key] = []
-        calls.append(capture)
+        before = self._state.add((layer.name, tname), capture)
         if layer.keep:
-            label = keep_label(layer.name, tname, len(calls) - 1)
+            label = keep_label(layer.name, tname, before)
             self._state.kept[label] = kept_array(new if new is not None else grad)
 
     # -- closing a step ---------------------------------------------------------------------
 
     def _drop_step(self) -> None:
-        for handle in self._state.handles:
-            handle.remove()
-        self._state = StepCaptures()
+        self._pause.resume()
+        self._state.hooks.remove()
+        self._state = StepCaptures(forward=ForwardChecks(self._forward_staging))
         self._staging.clear()
+        self._forward_staging.clear()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Turn the step's captures into records with one host transfer, then reset.
@@ -506,7 +511,7 @@ class TorchAdapter(BaseAdapter):
             if not record:
                 return StepResult()
             state = self._state
-            if (state.touched and not (state.forward_sums or state.expected or state.transformed)
+            if (state.touched and not (state.forward or state.expected or state.transformed)
                     and any(self._layers[name].capture for name in self._modules)):
                 self._ctx.warn_once("no-forward", NO_FORWARD_WARNING.format(step=step))
             rows = param_rows(self._params, state.received, grads, state.changed_in_place,

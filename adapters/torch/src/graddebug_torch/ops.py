@@ -638,12 +638,12 @@ class OpCapture:
             spec.check_mask(mask, tuple(tensor.shape), isinstance(mask, Tensor))
         key = held.check[1] = site.key
         self._step.used[key] = site
-        state.forward_sums.append((key, site.depth, finiteness(tensor)))
+        state.forward.add(key, site.depth, finiteness(tensor))
         hook = adapter._grad_hooks.get(key)
         if hook is None:  # one per site, reused every step
             hook = adapter._grad_hooks[key] = functools.partial(adapter._on_grad, spec,
                                                                 site.tensor)
-        state.handles.append(tensor.register_hook(hook))
+        state.hooks.add(tensor, hook)
 
     # -- closing a step --------------------------------------------------------------------
 

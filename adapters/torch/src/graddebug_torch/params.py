@@ -141,14 +141,15 @@ def _check_given(position: int, param: TorchParam, grad: Any) -> None:
         )
 
 
-def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad],
+def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad | Tensor],
                grads: Sequence[Any] | None, stale: bool,
                depth_of: Callable[[TorchParam], int]) -> list[ParamRow]:
     """Every watched parameter that requires a gradient, with its gradient at the step's close.
 
     Args:
         params: The watched parameters.
-        received: What the post-accumulate hooks saw, by index in ``params``.
+        received: What the post-accumulate hooks saw, by index in ``params`` (a bare
+            gradient: held, not measured).
         grads: Gradients handed to ``step(grads)``, or None to read ``p.grad``.
         stale: The sums of squares taken in the hooks no longer hold (gradients changed in
             place unseen by their version counters).
@@ -173,11 +174,13 @@ def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad],
     for i, p in live:
         seen = received.get(i)
         grad = p.param.grad
-        if grad is None and seen is not None:
-            grad = seen.grad
-        fresh = (not stale and seen is not None and seen.grad is grad
-                 and grad._version == seen.version)
-        rows.append(ParamRow(p.layer, p.tensor, depth_of(p), grad,
-                             seen.sq if fresh and seen is not None else None, p.keep,
-                             p.sharded))
+        sq = None
+        if isinstance(seen, ParamGrad):
+            if grad is None:
+                grad = seen.grad
+            if not stale and seen.grad is grad and grad._version == seen.version:
+                sq = seen.sq
+        elif grad is None:
+            grad = seen  # held by the hook: zero_grad(set_to_none=True) came before step()
+        rows.append(ParamRow(p.layer, p.tensor, depth_of(p), grad, sq, p.keep, p.sharded))
     return rows

@@ -60,6 +60,13 @@ class StagedGroup:
         self.used = row + 1
         return row
 
+    def sums(self) -> Tensor:
+        """The sum of each row used in this step, in :func:`~graddebug_torch.stats.acc_dtype`
+        (finite exactly when the row is: the forward check of a staged output)."""
+        assert self._buffer is not None
+        rows = self._buffer[: self.used]
+        return rows.reshape(self.used, -1).sum(1, dtype=acc_dtype(rows))
+
     def reduce(self) -> GroupStats:
         """One batched pass over the rows used in this step."""
         assert self._buffer is not None
@@ -89,13 +96,13 @@ class SmallGrads:
         return (grad.numel() <= SMALL_NUMEL and grad.layout == torch.strided
                 and grad.is_floating_point())
 
-    def put(self, grad: Tensor, unit_dim: int | None) -> tuple[StagedGroup, int]:
-        """Stage ``grad``; return its group and row."""
+    def group(self, grad: Tensor, unit_dim: int | None) -> StagedGroup:
+        """The group that stages ``grad`` (its :meth:`StagedGroup.put` gives the row)."""
         key = (grad.shape, grad.dtype, grad.device, unit_dim)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = StagedGroup(key)
-        return group, group.put(grad)
+        return group
 
     def reduce(self) -> dict[GroupKey, GroupStats]:
         """The statistics of every group used in this step."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import gc
 import math
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +20,10 @@ from graddebug.capture.layers import keep_label
 from graddebug.records import Event, EventKind, Kind, Record
 from graddebug_torch.sharded import GlobalStats, OnBug, nonfinite_flags, row_values, whole
 from graddebug_torch.staging import SMALL_NUMEL, GroupStats, SmallGrads, StagedGroup
-from graddebug_torch.stats import acc_dtype, unit_summary
+from graddebug_torch.stats import acc_dtype, finiteness, unit_summary
 
-__all__ = ["Capture", "ParamGrad", "ParamRow", "StepCaptures", "gather", "kept_array",
-           "shape_text"]
+__all__ = ["BackwardPause", "Capture", "ForwardChecks", "GradHooks", "ParamGrad", "ParamRow",
+           "StepCaptures", "gather", "kept_array", "shape_text"]
 
 Key = tuple[str, str]
 
@@ -42,7 +44,7 @@ _PENDING = torch.empty(0)
 class Capture:
     """Device-side statistics of one gradient seen by one hook call.
 
-    A small gradient is staged instead (``staged`` holds its group and row, see
+    A small gradient is staged instead (``group`` and ``row`` say where, see
     :mod:`graddebug_torch.staging`); its statistics are filled in when the step closes.
     """
 
@@ -55,19 +57,20 @@ class Capture:
     pre_sq: Tensor | None  # sum of squares before an intervention
     n_units: int = 0
     """Number of units (features or channels); 0 without a unit axis."""
-    staged: tuple[StagedGroup, int] | None = None
+    group: StagedGroup | None = None
+    row: int = 0
 
     @property
     def sentinel(self) -> bool:
         """Only the sum of squares and the sum were measured, no extremes (a step that is not
         full, see :mod:`graddebug.capture.tiers`)."""
-        return self.staged is None and self.extremes is None and self.absmax is None
+        return self.group is None and self.extremes is None and self.absmax is None
 
     @classmethod
-    def pending(cls, staged: tuple[StagedGroup, int], shape: str, numel: int,
+    def pending(cls, group: StagedGroup, row: int, shape: str, numel: int,
                 n_units: int) -> Capture:
-        """The capture of a staged gradient."""
-        return cls(_PENDING, _PENDING, None, None, shape, numel, None, n_units, staged)
+        """The capture of a gradient staged in ``row`` of ``group``."""
+        return cls(_PENDING, _PENDING, None, None, shape, numel, None, n_units, group, row)
 
 
 @dataclass(slots=True)
@@ -94,6 +97,154 @@ class ParamRow:
     sharded: bool = False
 
 
+class BackwardPause:
+    """Pauses Python's cyclic garbage collector from the first recorded gradient of a backward
+    pass to the pass's end, as :func:`graddebug.capture.buffer.gc_paused` does while a step
+    closes.
+
+    Each output's capture lives from its hook until the step closes. On a model of many small
+    layers the young collections that a backward's allocations trigger move them all to the
+    oldest generation, whose collection walks the whole heap (every module, parameter and
+    tensor of the process): about a fifth of a step on 10,000 layers. Paused, they die young.
+    The collector is resumed by a callback the autograd engine runs when the pass ends; a pass
+    that raises before its end is resumed by :meth:`resume` when the step closes, at the next
+    forward, or on exit. A collector the user disabled stays disabled.
+    """
+
+    __slots__ = ("paused",)
+
+    def __init__(self) -> None:
+        self.paused = False
+
+    def start(self) -> None:
+        """Pause, if not already, until the running backward pass ends."""
+        if self.paused or not gc.isenabled():
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.resume)
+        except RuntimeError:  # not in a backward pass (a compiled graph's operator)
+            return
+        gc.disable()
+        self.paused = True
+
+    def resume(self) -> None:
+        """Resume the collector if this pause stopped it."""
+        if self.paused:
+            self.paused = False
+            gc.enable()
+
+
+class GradHooks:
+    """The tensor hooks of one step, removed together when it closes.
+
+    A plain tensor's hook goes straight into its hook dictionary, as ``Tensor.register_hook``
+    does, without the handle and weak reference that call makes: on a model of 10,000 small
+    layers those two objects a layer lived until the step closed, so the collector moved
+    them to its oldest generation and walked the whole heap about once a step. Subclasses
+    (``__torch_function__``) go through ``register_hook``.
+    """
+
+    __slots__ = ("_dicts", "_handles", "_ids")
+
+    def __init__(self) -> None:
+        self._dicts: list[dict[int, Any]] = []
+        self._ids: list[int] = []
+        self._handles: list[RemovableHandle] = []
+
+    def add(self, tensor: Tensor, hook: Callable[[Tensor], Tensor | None]) -> None:
+        """Register ``hook`` on ``tensor``'s gradient until :meth:`remove`."""
+        hooks = tensor._backward_hooks if type(tensor) is Tensor else None
+        if hooks is None:
+            if type(tensor) is not Tensor or tensor.grad_fn is None:
+                self._handles.append(tensor.register_hook(hook))
+                return
+            hooks = tensor._backward_hooks = OrderedDict()
+            tensor.grad_fn._register_hook_dict(tensor)
+        key = RemovableHandle.next_id  # the ids register_hook hands out: never a clash
+        RemovableHandle.next_id = key + 1
+        hooks[key] = hook
+        self._dicts.append(hooks)
+        self._ids.append(key)
+
+    def remove(self) -> None:
+        """Remove every hook this step registered."""
+        for hooks, key in zip(self._dicts, self._ids, strict=True):
+            hooks.pop(key, None)
+        for handle in self._handles:
+            handle.remove()
+        self._dicts, self._ids, self._handles = [], [], []
+
+
+class ForwardChecks:
+    """The forward finiteness checks of one step: per watched output a number that is finite
+    exactly when the output is (:func:`~graddebug_torch.stats.finiteness`), read at the step's
+    single sync.
+
+    A small output that needs a gradient is copied into a staging buffer of its shape (one
+    kernel, as costly as the sum it replaces) and the buffer is summed row by row when the
+    step closes. The checks live in parallel lists rather than a tuple each, so that the
+    usual check adds no object that outlives the step's young collections.
+    """
+
+    __slots__ = ("_groups", "_rows", "_staging", "_values", "depths", "keys")
+
+    def __init__(self, staging: SmallGrads) -> None:
+        self._staging = staging
+        self.keys: list[Key] = []
+        self.depths: list[int] = []
+        self._values: list[Tensor | None] = []
+        self._groups: list[StagedGroup | None] = []
+        self._rows: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, key: Key, depth: int, value: Tensor) -> None:
+        """Add a check already reduced to its number (a compiled graph's, an op's)."""
+        self.keys.append(key)
+        self.depths.append(depth)
+        self._values.append(value)
+        self._groups.append(None)
+        self._rows.append(0)
+
+    def check(self, key: Key, depth: int, tensor: Tensor) -> None:
+        """Add the check of output ``key``, a floating ``tensor``."""
+        if not (tensor.requires_grad and SmallGrads.fits(tensor)):
+            self.add(key, depth, finiteness(tensor))
+            return
+        group = self._staging.group(tensor, None)
+        self.keys.append(key)
+        self.depths.append(depth)
+        self._values.append(None)
+        self._groups.append(group)
+        self._rows.append(group.put(tensor))
+
+    def gather(self) -> Tensor:
+        """Every check's number, in the order they were added (one tensor)."""
+        parts: list[Tensor] = []
+        direct = [v for v in self._values if v is not None]
+        if direct:
+            parts.append(_stack(direct))
+        offsets: dict[int, int] = {}
+        size = len(direct)
+        for group in self._groups:
+            if group is not None and id(group) not in offsets:
+                offsets[id(group)] = size
+                parts.append(group.sums())
+                size += group.used
+        if not offsets:
+            return parts[0]
+        order, at = [], 0
+        for group, row in zip(self._groups, self._rows, strict=True):
+            if group is None:
+                order.append(at)
+                at += 1
+            else:
+                order.append(offsets[id(group)] + row)
+        joined = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return joined[torch.tensor(order, device=joined.device)]
+
+
 @dataclass
 class StepCaptures:
     """Everything captured in the open step; dropped when it closes.
@@ -104,17 +255,43 @@ class StepCaptures:
     unscaling them), so the sums of squares taken in the hooks are stale.
     """
 
-    captures: dict[Key, list[Capture]] = field(default_factory=dict)
+    captures: dict[Key, Capture] = field(default_factory=dict)
+    """The first call's capture of each output; :meth:`calls` has them all."""
+    repeats: dict[Key, list[Capture]] = field(default_factory=dict)
+    """Every call's capture, for outputs captured more than once (a module called twice)."""
     expected: dict[Key, int] = field(default_factory=dict)
-    forward_sums: list[tuple[Key, int, Tensor]] = field(default_factory=list)
+    forward: ForwardChecks = field(default_factory=lambda: ForwardChecks(SmallGrads()))
     events: list[Event] = field(default_factory=list)
     kept: dict[str, np.ndarray] = field(default_factory=dict)
-    handles: list[RemovableHandle] = field(default_factory=list)
-    received: dict[int, ParamGrad] = field(default_factory=dict)
+    hooks: GradHooks = field(default_factory=lambda: GradHooks())
+    received: dict[int, ParamGrad | Tensor] = field(default_factory=dict)
+    """What the post-accumulate hooks saw, by parameter index: a bare gradient is only held,
+    to be measured when the step closes."""
     tap_requires_grad: bool = False
     touched: bool = False
     transformed: bool = False
     changed_in_place: bool = False
+
+    def add(self, key: Key, capture: Capture) -> int:
+        """Add one call's capture of output ``key``; return how many came before it.
+
+        The usual output, captured once a step, costs a dictionary entry and no list: each
+        object that lives until the step closes is one more for the collector to move.
+        """
+        first = self.captures.get(key)
+        if first is None:
+            self.captures[key] = capture
+            return 0
+        calls = self.repeats.get(key)
+        if calls is None:
+            calls = self.repeats[key] = [first]
+        calls.append(capture)
+        return len(calls) - 1
+
+    def calls(self) -> dict[Key, list[Capture]]:
+        """Every output's captures, one per call, in the order the outputs were first seen."""
+        repeats = self.repeats
+        return {key: repeats.get(key, [c]) for key, c in self.captures.items()}
 
 
 class _HostBatch:
@@ -160,7 +337,8 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
         The step's records, events and kept arrays.
     """
     present = [p for p in params if p.grad is not None]
-    if not state.captures and not present:
+    captures = state.calls()
+    if not captures and not present:
         # No backward ran in this step; what forward saw (a tap cut from the graph) stands.
         return StepResult(events=list(state.events))
     batch = _HostBatch()
@@ -174,9 +352,9 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
     # Other activation scalars, stacked into one tensor; positions remembered per capture.
     scalars: list[Tensor] = []
     where: dict[int, int] = {}
-    for calls in state.captures.values():
+    for calls in captures.values():
         for c in calls:
-            if c.staged is not None:
+            if c.group is not None:
                 continue
             where[id(c)] = len(scalars)
             scalars += [c.sq, c.total]
@@ -188,7 +366,7 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
 
     # Per-unit extremes: one batched summary per group of equally wide captures.
     groups: dict[tuple[int, torch.dtype, torch.device], list[Capture]] = {}
-    for calls in state.captures.values():
+    for calls in captures.values():
         for c in calls:
             if c.extremes is not None:
                 high = c.extremes[0]
@@ -200,9 +378,9 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
         unit_slots.append((members, batch.add(absmax), batch.add(live)))
     # A layer called several times: a unit is dead only if it is dead in every call.
     pooled: dict[Key, slice] = {}
-    for key, calls in state.captures.items():
+    for key, calls in state.repeats.items():
         widths = {c.n_units for c in calls}
-        if len(calls) > 1 and len(widths) == 1 and 0 not in widths:
+        if len(widths) == 1 and 0 not in widths:
             per_unit = torch.stack([_per_unit(c, staged) for c in calls]).amax(0)
             pooled[key] = batch.add(torch.count_nonzero(per_unit))
 
@@ -218,14 +396,14 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
     full_slots = {id(p): batch.add(_full_stats(_dense(p.grad))) for p in local
                   if p.grad is not None} if full else {}
     sharded_slot = batch.add(sharded.values) if sharded is not None else slice(0, 0)
-    forward_slot = (batch.add(torch.stack([s for _, _, s in state.forward_sums]))
-                    if state.forward_sums else slice(0, 0))
+    checks = state.forward
+    forward_slot = batch.add(checks.gather()) if len(checks) else slice(0, 0)
 
     batch.fetch()  # the step's single host sync
 
     result = StepResult(events=list(state.events), kept=dict(state.kept))
-    act = _activation_values(state, batch, scalar_slot, where, unit_slots, staged_slots)
-    for key, calls in state.captures.items():
+    act = _activation_values(captures, batch, scalar_slot, where, unit_slots, staged_slots)
+    for key, calls in captures.items():
         result.records.append(_activation_record(
             step, key, depths.get(key[0], -1), calls, act,
             batch[pooled[key]][0] if key in pooled else None))
@@ -238,6 +416,7 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
     late_norms = iter(late_values)
     whole_values = batch[sharded_slot]
     broken: list[tuple[ParamRow, Tensor, float, list[float] | None]] = []
+    records, new_row, nan = result.records, tuple.__new__, math.nan
     for p in present:
         assert p.grad is not None
         if p.sharded:
@@ -252,14 +431,20 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
             result.records.append(_param_record(step, p, p.grad, norm, extra, (False, False)))
             continue
         norm = math.sqrt(next(early)) if p.sq is not None else next(late_norms)
-        extra = batch[full_slots[id(p)]] if full else None
-        result.records.append(_param_record(step, p, _dense(p.grad), norm, extra))
+        grad = _dense(p.grad) if p.grad.is_sparse else p.grad
+        if full or not math.isfinite(norm):
+            extra = batch[full_slots[id(p)]] if full else None
+            records.append(_param_record(step, p, grad, norm, extra))
+        else:  # the usual row, built inline: a large model has tens of thousands a step
+            records.append(new_row(Record, (
+                step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
+                grad.numel(), norm, nan, nan, nan, nan, False, False, nan, 0)))
     if broken:  # every rank sees the same combined norms, so all of them come here together
         flags = nonfinite_flags([g for _, g, _, _ in broken], on_bug or _ignore)
         for (p, grad, norm, extra), pair in zip(broken, flags, strict=True):
             result.records.append(_param_record(step, p, grad, norm, extra, pair))
 
-    for (key, depth, _), value in zip(state.forward_sums, batch[forward_slot], strict=True):
+    for key, depth, value in zip(checks.keys, checks.depths, batch[forward_slot], strict=True):
         if not math.isfinite(value):
             result.events.append(Event(step, key[0], key[1], depth,
                                        EventKind.FORWARD_NONFINITE.value,
@@ -280,7 +465,8 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
 _Values = tuple[float, float, float, float | None, float | None]
 
 
-def _activation_values(state: StepCaptures, batch: _HostBatch, scalar_slot: slice,
+def _activation_values(captures: dict[Key, list[Capture]], batch: _HostBatch,
+                       scalar_slot: slice,
                        where: dict[int, int],
                        unit_slots: list[tuple[list[Capture], slice, slice]],
                        staged_slots: dict[Any, tuple[slice, slice, slice, slice | None]],
@@ -295,11 +481,11 @@ def _activation_values(state: StepCaptures, batch: _HostBatch, scalar_slot: slic
                      batch[live] if live is not None else None)
                for key, (sq, total, absmax, live) in staged_slots.items()}
     out: dict[int, _Values] = {}
-    for calls in state.captures.values():
+    for calls in captures.values():
         for c in calls:
-            if c.staged is not None:
-                group, row = c.staged
-                sqs, totals, absmaxes, lives = columns[group.key]
+            if c.group is not None:
+                row = c.row
+                sqs, totals, absmaxes, lives = columns[c.group.key]
                 out[id(c)] = (sqs[row], totals[row], absmaxes[row], None,
                               lives[row] if lives is not None else None)
                 continue
@@ -321,11 +507,10 @@ def _activation_values(state: StepCaptures, batch: _HostBatch, scalar_slot: slic
 
 def _per_unit(c: Capture, staged: dict[Any, GroupStats]) -> Tensor:
     """Largest ``|g|`` of each unit of one capture."""
-    if c.staged is not None:
-        group, row = c.staged
-        per_unit = staged[group.key].per_unit
+    if c.group is not None:
+        per_unit = staged[c.group.key].per_unit
         assert per_unit is not None
-        return per_unit[row]
+        return per_unit[c.row]
     assert c.extremes is not None
     return torch.maximum(c.extremes[0], c.extremes[1].neg())
 
@@ -344,6 +529,8 @@ def kept_array(grad: Tensor) -> np.ndarray:
 
 def _activation_record(step: int, key: Key, depth: int, calls: list[Capture],
                        act: dict[int, _Values], pooled_live: float | None) -> Record:
+    if len(calls) == 1:
+        return _single_record(step, key, depth, calls[0], act[id(calls[0])])
     sq = total = pre_sq = 0.0
     absmax = -math.inf
     pre = False
@@ -377,6 +564,28 @@ def _activation_record(step: int, key: Key, depth: int, calls: list[Capture],
         nan=nan,
         inf=inf,
         pre_norm=math.sqrt(pre_sq) if pre else math.nan,
+    )
+
+
+def _single_record(step: int, key: Key, depth: int, c: Capture, values: _Values) -> Record:
+    """The row of an output captured once in the step (the usual case, on the fast path)."""
+    sq, total, absmax, pre_sq, live = values
+    if c.sentinel:  # see _activation_record
+        nan = math.isnan(sq)
+        inf = not nan and math.isinf(sq) and not math.isfinite(total)
+        absmax, live = math.nan, None
+    else:
+        nan, inf = math.isnan(absmax), math.isinf(absmax)
+    units = c.n_units
+    return _record(
+        step, key[0], key[1], _ACTIVATION, depth, c.shape, c.numel,
+        norm=math.sqrt(sq) if sq >= 0 else math.nan,
+        total=total,
+        absmax=absmax,
+        zero_frac=(units - live) / units if live is not None and units else math.nan,
+        nan=nan,
+        inf=inf,
+        pre_norm=math.sqrt(pre_sq) if pre_sq is not None else math.nan,
     )
 
 
