@@ -17,6 +17,7 @@ are not followed here.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -221,6 +222,10 @@ class V1GraphAdapter(BaseAdapter):
         if not tensor.dtype.is_floating:
             raise ConfigError(f"tap(..., {name!r}) got a {tensor.dtype.name} tensor, which "
                               "has no gradient; tap a floating tensor.")
+        if intervention is not None and isinstance(intervention.mask, tf.Tensor) \
+                and not in_v1_graph(intervention.mask):
+            # An eager mask cannot enter the graph as a tensor; its values can, as a constant.
+            intervention = dataclasses.replace(intervention, mask=intervention.mask.numpy())
         layer = self._tap_layer(name, intervention)
         spec = layer.intervention
         if spec is not None and spec.mask is not None and not spec.mask_is_callable:
