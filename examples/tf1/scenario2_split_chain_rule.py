@@ -121,7 +121,7 @@ def tapped_step(hook: bool, **intervention: Any) -> dict[str, Any]:
             # The VJP runs through the tap, whose gradient applies the intervention.
             grads = v1.gradients(h, [w, b], grad_ys=dl_dh)
             train = v1.train.GradientDescentOptimizer(LEARNING_RATE).apply_gradients(
-                zip(grads, [w, b]))
+                zip(grads, [w, b], strict=True))
             if hook:
                 with v1.train.MonitoredTrainingSession(
                         hooks=[dbg.session_hook(grads=grads)], log_step_count_steps=None,

@@ -86,8 +86,15 @@ class _Entry:
     slot: Slot
     graph: Any
     forward: tf.Tensor
-    backward: tf.Tensor | None = None
-    grad: tf.Tensor | None = None  # the gradient itself, for keep=
+    backwards: list[_Backward] = field(default_factory=list)
+
+
+@dataclass
+class _Backward:
+    """One backward pass built through a tap: the gradient that flows on, and its row."""
+
+    grad: tf.Tensor
+    row: tf.Tensor
 
 
 @dataclass
@@ -270,14 +277,26 @@ class V1GraphAdapter(BaseAdapter):
         if entry is None:
             return new
         with self._fail_open(layer.name):
-            if entry.backward is not None:
-                self._ctx.warn_once(f"v1-backward-{layer.name}", (
-                    f"graddebug: tap {layer.name!r} was differentiated by more than one "
-                    "tf.compat.v1.gradients call; its rows record the last one built, so "
-                    "call dbg.fetches() with the gradients that train."))
-            entry.backward = activation_row(new, axis, dy if new is not dy else None)
-            entry.grad = new if layer.keep else None
+            row = activation_row(new, axis, dy if new is not dy else None)
+            entry.backwards.append(_Backward(new, row))
         return new
+
+    def _backward(self, entry: _Entry, feeds: set[Any] | None) -> _Backward | None:
+        """The backward pass of ``entry`` to record: the only one; else the one that feeds
+        the parameter gradients (``feeds``: the ops they depend on); else the first built."""
+        built = entry.backwards
+        if len(built) <= 1:
+            return built[0] if built else None
+        chosen = [b for b in built if feeds is not None and b.grad.op in feeds]
+        if len(chosen) != 1:
+            name = entry.slot.layer.name
+            self._ctx.warn_once(f"v1-backward-{name}", (
+                f"graddebug: tap {name!r} was differentiated by {len(built)} "
+                "tf.compat.v1.gradients calls, and the gradients given to dbg.fetches() do "
+                "not tell which one trains; its rows record the first one built. Pass "
+                "dbg.fetches(grads=...) the gradients that train."))
+            return built[0]
+        return chosen[0]
 
     # -- fetching and closing a step ----------------------------------------------------
 
@@ -315,21 +334,24 @@ class V1GraphAdapter(BaseAdapter):
                 raise ConfigError("fetches(grads=...) got gradients of another graph than "
                                   "the default one; call it inside that graph's as_default().")
         entries = [e for e in self._entries if e.graph is graph]
+        feeds = (_ancestors([g for g in aligned if g is not None])
+                 if aligned and any(len(e.backwards) > 1 for e in entries) else None)
+        backwards = [self._backward(e, feeds) for e in entries]
         full = self._options.param_stats == "full"
         kept: dict[str, tf.Tensor] = {}
         with tf.name_scope("graddebug"):
             zeros = tf.zeros([ACT_WIDTH - Col.BWD], tf.float64)
-            rows = [tf.concat([e.forward, zeros if e.backward is None else e.backward], 0)
-                    for e in entries]
+            rows = [tf.concat([e.forward, zeros if b is None else b.row], 0)
+                    for e, b in zip(entries, backwards, strict=True)]
             acts = tf.stack(rows) if rows else tf.zeros([0, ACT_WIDTH], tf.float64)
             params = [param_row(g, full) if g is not None else tf.zeros([PARAM_WIDTH], tf.float64)
                       for g in (aligned or [None] * len(self._params))]
             source = tf.constant([1.0 if aligned is not None else 0.0] + [0.0] * (PARAM_WIDTH - 1),
                                  tf.float64)
             param_rows = tf.stack([*params, source])
-            for e in entries:
-                if e.grad is not None:
-                    kept[keep_label(e.slot.layer.name, e.slot.tensor, e.slot.ordinal)] = e.grad
+            for e, b in zip(entries, backwards, strict=True):
+                if b is not None and e.slot.layer.keep:
+                    kept[keep_label(e.slot.layer.name, e.slot.tensor, e.slot.ordinal)] = b.grad
             for p, g in zip(self._params, aligned or (), strict=False):
                 if p.keep and g is not None:
                     kept[keep_label(p.layer, p.tensor)] = tf.convert_to_tensor(g)
@@ -410,6 +432,20 @@ class V1GraphAdapter(BaseAdapter):
             raise ConfigError(_NOT_FETCHED.format(
                 what=f"rows of shape {fetched.activations.shape}, which no fetches() built"))
         return layout
+
+
+def _ancestors(tensors: Sequence[Any]) -> set[Any]:
+    """Every op that ``tensors`` (or the values of ``tf.IndexedSlices``) depend on."""
+    stack = [(t.values if isinstance(t, tf.IndexedSlices) else t).op for t in tensors]
+    seen: set[Any] = set()
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(i.op for i in op.inputs)
+        stack.extend(op.control_inputs)
+    return seen
 
 
 class SessionHook(tf.compat.v1.train.SessionRunHook):
