@@ -262,6 +262,24 @@ def test_a_stop_gradient_in_a_v1_graph_is_named() -> None:
     assert {"w1", "b1"} <= set(findings["layer"])
 
 
+def test_taps_alone_with_every_record_one_run_in_n() -> None:
+    ref = _reference_grads(X)
+    with tf.Graph().as_default():
+        params = _variables()
+        with graddebug.watch(every=2) as dbg:  # no params=: the first tap picks the adapter
+            net = _net(params, dbg)
+            v1.gradients(net["loss"], list(params.values()))  # builds the taps' backward
+            fetches = dbg.fetches()
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+                results = [dbg.step(sess.run(fetches, {net["x"]: X})) for _ in range(4)]
+    assert [r is not None for r in results] == [True, False, True, False]
+    frame = dbg.frame()
+    assert sorted(frame["step"].unique()) == [0, 2]
+    assert set(frame["layer"]) == {"h", "a"}
+    _assert_row(frame[frame["layer"] == "h"].iloc[0], ref["h"])
+
+
 # -- misuse ---------------------------------------------------------------------------------
 
 
