@@ -292,6 +292,8 @@ def test_misuse_raises_typed_errors() -> None:
             grads = v1.gradients(net["loss"], list(params.values()))
             with pytest.raises(GradientCountError, match="2 gradients for 3"):
                 dbg.fetches(grads=grads[:2])
+            with pytest.raises(GradientCountError, match="1 gradients for 3"):
+                dbg.fetches(grads=grads[0])  # one tensor, not a list
             with pytest.raises(GradientCountError, match="not a graph tensor"):
                 dbg.fetches(grads=[np.zeros_like(W1), None, None])
             with pytest.raises(GradientCountError, match="'w2'"):

@@ -371,7 +371,7 @@ class V1GraphAdapter(BaseAdapter):
             GradientCountError: ``strict`` and a list of another length, an entry that is not
                 a tensor, or a pair list that misses a ``params=`` variable.
         """
-        items = list(grads)
+        items = [grads] if isinstance(grads, (tf.Tensor, tf.IndexedSlices)) else list(grads)
         if items and all(isinstance(i, tuple) and len(i) == 2 for i in items):
             by_var = {id(v): g for g, v in items}
             missing = [p.layer for p in self._params if id(p.var) not in by_var]
@@ -402,21 +402,25 @@ class V1GraphAdapter(BaseAdapter):
             ConfigError: ``grads`` is not what a session returned for :meth:`fetches` of this
                 Watcher.
         """
-        layout = self._layout_of(grads)
-        assert isinstance(grads, GraphStats)  # checked by _layout_of
+        fetched, layout = self._checked(grads)
         if not record:
             return StepResult()
         result = StepResult()
         acts = np.zeros((len(self._entries), ACT_WIDTH))
-        acts[[e.slot.index for e in layout.entries]] = grads.activations
+        acts[[e.slot.index for e in layout.entries]] = fetched.activations
         step_records(step, [e.slot for e in layout.entries], acts, result)
-        param_records(step, self._params, np.asarray(grads.params), result, layout.given,
+        param_records(step, self._params, fetched.params, result, layout.given,
                       lambda p: self._depth_of(p.chain))
         for label in layout.kept:
-            result.kept[label] = np.array(grads.kept[label], copy=True)
+            result.kept[label] = np.array(fetched.kept[label], copy=True)
         return result
 
-    def _layout_of(self, fetched: Any) -> _Layout:
+    def _checked(self, fetched: Any) -> tuple[GraphStats, _Layout]:
+        """``fetched`` as values of this Watcher's fetches, and the layout that built them.
+
+        Raises:
+            ConfigError: They are not.
+        """
         if fetched is None:
             raise ConfigError(_NOT_FETCHED.format(what="nothing"))
         if not isinstance(fetched, GraphStats):
@@ -428,10 +432,11 @@ class V1GraphAdapter(BaseAdapter):
         if layout is None:
             raise ConfigError(_NOT_FETCHED.format(
                 what="values fetched for another Watcher's fetches()"))
-        if fetched.activations.shape != (len(layout.entries), ACT_WIDTH):
+        shapes = (np.shape(fetched.activations), np.shape(fetched.params))
+        if shapes != ((len(layout.entries), ACT_WIDTH), (len(self._params) + 1, PARAM_WIDTH)):
             raise ConfigError(_NOT_FETCHED.format(
-                what=f"rows of shape {fetched.activations.shape}, which no fetches() built"))
-        return layout
+                what=f"rows of shapes {shapes}, which no fetches() built"))
+        return fetched, layout
 
 
 def _ancestors(tensors: Sequence[Any]) -> set[Any]:
