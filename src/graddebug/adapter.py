@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 import numpy as np
 
 from graddebug.capture.layers import FailOpen, Intervention, LayerSpec
+from graddebug.errors import ConfigError
 from graddebug.records import Event, Record
 
 if TYPE_CHECKING:
@@ -264,6 +265,27 @@ class Adapter(Protocol):
             ConfigError: The framework has no such callback.
         """
 
+    def fetches(self, grads: Any) -> Any:
+        """Return what a graph-and-session framework (TF1 graphs) must fetch in the user's
+        ``session.run`` for the step to be recorded; ``Watcher.step`` takes back what the
+        session returned for it.
+
+        Args:
+            grads: Parameter gradients (graph tensors) aligned with the watched parameters,
+                or ``(gradient, variable)`` pairs; None for those already known.
+
+        Raises:
+            ConfigError: The framework runs no sessions.
+        """
+
+    def session_hook(self, grads: Any) -> Any:
+        """Return a session hook that adds :meth:`fetches` to every ``session.run`` and closes
+        a step with what it fetched.
+
+        Raises:
+            ConfigError: The framework runs no sessions.
+        """
+
 
 class AdapterFactory(Protocol):
     """Builds an adapter; returned by the ``graddebug_adapter`` hook."""
@@ -393,6 +415,32 @@ class BaseAdapter:
 
     def next_step_full(self, full: bool) -> None:
         """Nothing to do where hooks ask :attr:`WatchContext.full_stats` as they run."""
+
+    # -- graphs run by sessions (TF1): only adapters of such graphs override these -------------
+
+    def fetches(self, grads: Any) -> Any:
+        """Refuse: only tensors of a ``tf.compat.v1`` graph are read through ``session.run``.
+
+        Raises:
+            ConfigError: Always, naming this adapter.
+        """
+        raise ConfigError(
+            f"fetches() reads statistics through a tf.compat.v1 Session, and this Watcher "
+            f"watches {self.name or 'a framework'} code, which runs none; close each step with "
+            "dbg.step() instead."
+        )
+
+    def session_hook(self, grads: Any) -> Any:
+        """Refuse: only tensors of a ``tf.compat.v1`` graph are read through ``session.run``.
+
+        Raises:
+            ConfigError: Always, naming this adapter.
+        """
+        raise ConfigError(
+            f"session_hook() is a tf.compat.v1.train.SessionRunHook, and this Watcher watches "
+            f"{self.name or 'a framework'} code, which runs no session; close each step with "
+            "dbg.step() instead."
+        )
 
     def _fail_open(self, where: str) -> FailOpen:
         """``with self._fail_open(layer): ...`` around the body of every hook.

@@ -313,6 +313,8 @@ class Watcher(RunResults):
         Args:
             grads: Parameter gradients in the order of the watched parameters, for frameworks
                 that do not store them on the parameters (TensorFlow). Torch reads ``p.grad``.
+                In a ``tf.compat.v1`` graph: what ``session.run`` returned for
+                :meth:`fetches`.
 
         Returns:
             The step's records, events and kept gradients; None when ``every=`` skipped it, or
@@ -488,6 +490,50 @@ class Watcher(RunResults):
                 "`with graddebug.watch(model) as dbg: model.fit(..., callbacks=[dbg.callback()])`."
             )
         return self._adapter.callback(**options)
+
+    def fetches(self, grads: Any = None) -> Any:
+        """What to fetch in a ``tf.compat.v1`` session's ``run`` for the step to be recorded.
+
+        Call it once the graph is built (taps and gradients), and hand what the session
+        returned for it to :meth:`step`::
+
+            fetches = dbg.fetches(grads=grads_and_vars)
+            out = sess.run({"train": train_op, "dbg": fetches})
+            dbg.step(out["dbg"])
+
+        Args:
+            grads: The ``params=`` gradients as graph tensors: a list aligned with
+                ``params=``, or ``(gradient, variable)`` pairs (``compute_gradients``); None
+                for those of the optimizer given to ``watch(optimizer=...)``.
+
+        Raises:
+            WatcherStateError: Called outside the ``with`` block, or before a tap or
+                ``params=`` chose an adapter.
+            ConfigError: The Watcher watches no ``tf.compat.v1`` graph.
+        """
+        return self._graph_adapter("fetches").fetches(grads)
+
+    def session_hook(self, grads: Any = None) -> Any:
+        """A ``tf.compat.v1.train.SessionRunHook`` for ``MonitoredTrainingSession(hooks=[...])``
+        that adds :meth:`fetches` to each ``run`` and closes a step with what it fetched.
+
+        Args:
+            grads: As for :meth:`fetches`.
+
+        Raises:
+            WatcherStateError: Called outside the ``with`` block, or before a tap or
+                ``params=`` chose an adapter.
+            ConfigError: The Watcher watches no ``tf.compat.v1`` graph.
+        """
+        return self._graph_adapter("session_hook").session_hook(grads)
+
+    def _graph_adapter(self, what: str) -> Adapter:
+        if not self._active or self._adapter is None:
+            raise WatcherStateError(
+                f"{what}() needs an active Watcher that watches a graph: call it inside "
+                "`with graddebug.watch(params=...)`, after the graph's taps are built."
+            )
+        return self._adapter
 
     def train_step(
         self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any = None

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 @hookimpl
 def graddebug_adapter(target: object) -> AdapterFactory | None:
     """Claim Keras layers and models, ``tf.Tensor``, ``tf.Variable`` and ``keras.Variable``
-    objects, when TensorFlow is imported."""
+    objects, when TensorFlow is imported; those of a ``tf.compat.v1`` graph (and a model
+    watched inside one, to refuse it) go to the v1-graph adapter."""
     tf = sys.modules.get("tensorflow")
     if tf is None:
         return None
@@ -24,6 +25,10 @@ def graddebug_adapter(target: object) -> AdapterFactory | None:
         claimed += (keras.layers.Layer, keras.Variable)
     if not isinstance(target, claimed):
         return None
+    from graddebug_tensorflow.v1graph import V1GraphAdapter, in_v1_graph
+
+    if in_v1_graph(target):
+        return V1GraphAdapter
     from graddebug_tensorflow.adapter import TensorFlowAdapter
 
     return TensorFlowAdapter
