@@ -1,0 +1,517 @@
+"""Op-level capture in TensorFlow graphs (``watch(model, ops=True)``, ``escalate=True``).
+
+A ``tf.function`` (``model.fit``'s compiled step included) is traced once and then runs with no
+Python: whatever names an operation must be built into the graph while it is traced. An op
+callback (:mod:`tensorflow.python.framework.op_callbacks`, the mechanism
+``tf.debugging.enable_check_numerics`` uses) sees every op as the trace creates it. For each op
+with a floating output created inside a watched layer's ``call``, and for each op of the
+backward pass that differentiates one of them, it adds a finiteness code (finite, Inf, NaN)
+written into a ``tf.Variable``; closing the step reads the codes with one transfer and zeroes
+them. Nothing raises inside the user's step, unlike ``CheckNumerics``.
+
+From the codes, an op is where NaN or Inf was born when its output is non-finite while every
+floating input it read was finite: in forward, the first such op (``op_nonfinite``); in
+backward, the first gradient op, closest to the loss (``op_grad_nonfinite``), reported as the
+backward of the forward op it differentiates. Each carries the op type, its name and the
+user's source line from the op's creation traceback (``op.traceback``).
+
+Cut graphs need no per-step work: when a step shows starved parameters or cut layer outputs,
+the ops that cut gradients (``StopGradient``, ``PyFunc``/``EagerPyFunc`` of
+``tf.numpy_function``/``tf.py_function``, a ``Cast`` to an integer, rounding, argmax), traced
+inside watched layers downstream of a variable, are named as ``op_cut`` events, once per trace.
+
+Eager steps are left to layer capture: the callback is registered on the first watched layer
+call inside a graph, and never for an eager loop. Under ``escalate=True`` the same ops are
+traced, each under a ``tf.cond`` on one variable, armed only for the steps that follow a
+suspect step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from graddebug.capture.layers import LayerSpec
+from graddebug.records import Event, EventKind
+
+try:
+    from tensorflow.python.framework import op_callbacks as _op_callbacks
+except ImportError:  # pragma: no cover - a TF without op callbacks: layer capture only
+    _op_callbacks = None
+
+__all__ = ["CHUNK", "OpCapture", "available", "user_source"]
+
+CHUNK = 4096
+"""Codes per variable chunk; a trace that needs more adds a chunk outside the graph."""
+
+_FINITE, _INF, _NAN = 1, 2, 3  # 0: the op did not run in the step
+_DETAIL = {_INF: "Inf", _NAN: "NaN"}
+
+# Ops not checked: their outputs hold no values, or never change from step to step, or are
+# weights (a variable read is taken as finite: weights go non-finite after a non-finite update,
+# and only the first broken step has a meaningful origin).
+_SKIP = frozenset({"Const", "Placeholder", "VarHandleOp", "ReadVariableOp", "NoOp", "Shape",
+                   "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"})
+_TRUSTED_INPUTS = frozenset({"Const", "ReadVariableOp", "ZerosLike", "OnesLike"})
+# graddebug's own checks, named so that a walk of the graph can step over them.
+_CHECK_SCOPE = "graddebug_check"
+_PASS_THROUGH = frozenset({"Identity", "IdentityN"})
+# A gradient op's name: the tape's (``gradient_tape/``) or ``tf.gradients``' scope.
+_GRADIENT_SCOPE = re.compile(r"^(?:.*/)?(?:gradient_tape|gradients)(?:_\d+)?/")
+_CUT_CAUSES = {
+    "StopGradient": "tf.stop_gradient cut the graph",
+    "PreventGradient": "tf.raw_ops.PreventGradient cut the graph",
+    "PyFunc": "the values left TensorFlow through tf.numpy_function, which has no gradient",
+    "PyFuncStateless": "the values left TensorFlow through tf.numpy_function, which has no "
+                       "gradient",
+    "EagerPyFunc": "the values went through tf.py_function, and no tape watched them there",
+    "Round": "tf.round has no gradient",
+    "Floor": "tf.floor has no gradient",
+    "Ceil": "tf.math.ceil has no gradient",
+    "ArgMax": "an argmax has no gradient",
+    "ArgMin": "an argmin has no gradient",
+}
+_INTEGER_CAST = "a cast to {dtype} (an integer has no gradient)"
+
+
+def available() -> bool:
+    """Whether this TensorFlow has op callbacks (every 2.x release so far)."""
+    return _op_callbacks is not None
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [os.path.dirname(tf.__file__), os.path.dirname(keras.__file__),
+            os.path.dirname(os.path.dirname(__file__)), sysconfig.get_paths()["stdlib"]]
+    try:
+        import graddebug
+
+        dirs.append(os.path.dirname(graddebug.__file__))
+    except ImportError:  # pragma: no cover - the core is this adapter's dependency
+        pass
+    # Keras 3 keeps part of its TF code in tf_keras or keras.src; TF in tensorflow.python.
+    for name in ("tf_keras", "absl"):
+        try:
+            module = __import__(name)
+            dirs.append(os.path.dirname(module.__file__ or ""))
+        except ImportError:
+            pass
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+_LIBRARY: tuple[str, ...] | None = None
+
+
+def _display(filename: str) -> str:
+    """A source file as findings show it: relative to the working directory when under it."""
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        return filename
+    return filename if relative.startswith(os.pardir) else relative
+
+
+def user_source(op: Any) -> str:
+    """``file:line`` of the innermost frame of ``op``'s creation traceback that is the user's
+    code (not TensorFlow's, Keras', graddebug's or the standard library's); empty if none."""
+    global _LIBRARY
+    if _LIBRARY is None:
+        _LIBRARY = _library_dirs()
+    for frame in reversed(list(op.traceback)):
+        filename = frame.filename
+        if filename.startswith("<") or os.path.realpath(filename).startswith(_LIBRARY):
+            continue
+        return f"{_display(filename)}:{frame.lineno}"
+    return ""
+
+
+@dataclass(eq=False, slots=True)
+class _Site:
+    """One op whose outputs are checked, and what its events carry.
+
+    Attributes:
+        spec: The watched layer whose ``call`` created it (for a gradient op, the forward
+            op's); None for a probe (an input checked only so that its readers can be judged).
+        op_type: The op's type (``Log``).
+        op_name: The op's name in the graph.
+        source: ``file:line`` of the user's code that created it.
+        codes: Indices of its outputs' codes.
+        inputs: Indices of the codes of the floating inputs it read.
+        forward: For a gradient op, the forward op it differentiates.
+    """
+
+    spec: LayerSpec | None
+    op_type: str
+    op_name: str
+    source: str
+    codes: tuple[int, ...]
+    inputs: tuple[int, ...] = ()
+    forward: _Site | None = None
+
+    @property
+    def tensor(self) -> str:
+        """The ``tensor`` of its events: ``<op type>@<file:line>``."""
+        return f"{self.op_type}@{self.source}" if self.source else self.op_type
+
+    def describe(self) -> str:
+        """``Log 'model/layer/Log' (file.py:12)``, for event details."""
+        where = f" ({self.source})" if self.source else ""
+        return f"{self.op_type} {self.op_name!r}{where}"
+
+
+@dataclass(eq=False)
+class _Cut:
+    """An op traced inside a watched layer that may cut the graph."""
+
+    spec: LayerSpec
+    op_name: str
+    cause: str
+    source: str
+    event: tuple[str, str] | None = None  # (tensor, detail), once judged a cut
+    judged: bool = False
+
+
+@dataclass(eq=False)
+class _GraphState:
+    """What one traced graph holds: its checked tensors, forward ops and candidate cuts."""
+
+    graph: weakref.ReferenceType[Any]
+    codes: dict[str, int] = field(default_factory=dict)  # tensor name -> code index
+    forward: dict[str, _Site] = field(default_factory=dict)  # op name -> site
+    outputs: dict[str, _Site] = field(default_factory=dict)  # tensor name -> forward site
+    cuts: list[_Cut] = field(default_factory=list)
+
+
+class OpCapture:
+    """The op callback, the code variables and the events of op-level capture.
+
+    Args:
+        on_bug: Called with a bug caught in the callback (fail-open: the op is left as is).
+        gated: Whether the checks run only while :meth:`arm` says so (``escalate=True``);
+            otherwise on every step.
+    """
+
+    def __init__(self, on_bug: Callable[[BaseException, str], None], gated: bool) -> None:
+        self._on_bug = on_bug
+        self._chunks: list[tf.Variable] = []
+        self._count = 0
+        self._sites: list[_Site] = []
+        self._graphs: weakref.WeakKeyDictionary[Any, _GraphState] = weakref.WeakKeyDictionary()
+        self._stack: list[LayerSpec] = []
+        self._own = 0
+        self._registered = False
+        self._armed: tf.Variable | None = None
+        with tf.init_scope():
+            if gated:
+                self._armed = tf.Variable(False, trainable=False, name="graddebug_ops_armed")
+            self._grow(CHUNK)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Unregister the op callback (graphs traced meanwhile keep their checks, which then
+        write to variables nobody reads)."""
+        if self._registered and _op_callbacks is not None:
+            self._registered = False
+            try:
+                _op_callbacks.remove_op_callback(self._callback)
+            except KeyError:  # pragma: no cover - removed by someone else (another thread)
+                pass
+
+    @property
+    def registered(self) -> bool:
+        """Whether the op callback is registered now."""
+        return self._registered
+
+    @contextmanager
+    def layer(self, spec: LayerSpec) -> Iterator[None]:
+        """Attribute the ops traced in the block to ``spec``; eager calls pass through."""
+        if tf.executing_eagerly() or _op_callbacks is None:
+            yield
+            return
+        if not self._registered:
+            _op_callbacks.add_op_callback(self._callback)
+            self._registered = True
+        self._stack.append(spec)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+
+    @contextmanager
+    def own(self) -> Iterator[None]:
+        """graddebug's own ops (recording identities, statistics) are not checked."""
+        self._own += 1
+        try:
+            yield
+        finally:
+            self._own -= 1
+
+    def alias(self, watched: Any, original: Any) -> None:
+        """``watched`` (a recording identity of ``original``) holds the same values: readers
+        of it are judged by ``original``'s code, with no check of their own."""
+        if tf.executing_eagerly() or not self._registered:
+            return
+        state = self._graphs.get(original.graph)
+        if state is not None and original.name in state.codes:
+            state.codes[watched.name] = state.codes[original.name]
+            if original.name in state.outputs:
+                state.outputs[watched.name] = state.outputs[original.name]
+
+    def arm(self, on: bool) -> None:
+        """Under ``escalate=True``: whether the next steps run their checks."""
+        if self._armed is not None:
+            self._armed.assign(on)
+
+    # -- tracing --------------------------------------------------------------------------
+
+    def _callback(self, op_type: str, inputs: Any, attrs: Any, outputs: Any,
+                  op_name: str | None = None, graph: Any = None) -> None:
+        if graph is None or self._own or not outputs:
+            return None
+        try:
+            self._trace(op_type, list(inputs), attrs, list(outputs), graph)
+        except Exception as exc:  # fail-open: the op stays unchecked, the trace goes on
+            self._on_bug(exc, f"ops ({op_type})")
+        return None
+
+    def _trace(self, op_type: str, inputs: list[Any], attrs: Any, outputs: list[Any],
+               graph: Any) -> None:
+        state = self._graphs.get(graph)
+        if self._stack:
+            if state is None:
+                state = self._graphs[graph] = _GraphState(weakref.ref(graph))
+            self._note_cut(state, op_type, inputs, attrs, outputs)
+            if op_type in _SKIP:
+                return
+            floating = [t for t in outputs if t.dtype.is_floating]
+            if not floating:
+                return
+            op = floating[0].op
+            site = _Site(self._stack[-1], op_type, op.name, user_source(op),
+                         tuple(self._check(state, t) for t in floating),
+                         self._input_codes(state, inputs))
+            self._sites.append(site)
+            state.forward[op.name] = site
+            for t in floating:
+                state.outputs[t.name] = site
+            return
+        if state is None or op_type in _SKIP:
+            return
+        floating = [t for t in outputs if t.dtype.is_floating]
+        if not floating or not _GRADIENT_SCOPE.match(floating[0].op.name):
+            return
+        op = floating[0].op
+        forward = self._differentiated(state, op.name, inputs)
+        if forward is None:
+            return
+        site = _Site(forward.spec, op_type, op.name, forward.source,
+                     tuple(self._check(state, t) for t in floating),
+                     self._input_codes(state, inputs), forward)
+        self._sites.append(site)
+
+    def _differentiated(self, state: _GraphState, name: str, inputs: list[Any]) -> _Site | None:
+        """The forward op a gradient op named ``name`` differentiates: the forward op whose
+        name scopes it (``gradient_tape/<forward op>/...``), else a forward op in the same
+        scope whose output it reads (``gradient_tape/<scope>/SqrtGrad`` reads ``Sqrt``)."""
+        rest = _GRADIENT_SCOPE.sub("", name, count=1)
+        parts = rest.split("/")
+        for end in range(len(parts) - 1, 0, -1):
+            found = state.forward.get("/".join(parts[:end]))
+            if found is not None:
+                return found
+        scope = rest.rpartition("/")[0]
+        for t in inputs:
+            site = state.outputs.get(t.name)
+            if site is not None and site.op_name.rpartition("/")[0] == scope:
+                return site
+        return None
+
+    def _input_codes(self, state: _GraphState, inputs: list[Any]) -> tuple[int, ...]:
+        codes = []
+        for t in inputs:
+            if not t.dtype.is_floating or t.op.type in _TRUSTED_INPUTS:
+                continue
+            index = state.codes.get(t.name)
+            codes.append(index if index is not None else self._check(state, t))
+        return tuple(codes)
+
+    def _check(self, state: _GraphState, tensor: Any) -> int:
+        """Add the ops that write ``tensor``'s code; return the code's index."""
+        index = state.codes.get(tensor.name)
+        if index is not None:
+            return index
+        index = self._count
+        if index >= len(self._chunks) * CHUNK:
+            with tf.init_scope():
+                self._grow(index + 1)
+        self._count += 1
+        state.codes[tensor.name] = index
+        chunk, offset = self._chunks[index // CHUNK], index % CHUNK
+
+        def write() -> tf.Tensor:
+            finite = tf.reduce_all(tf.math.is_finite(tensor))
+            nan = tf.reduce_any(tf.math.is_nan(tensor))
+            code = tf.where(finite, _FINITE, tf.where(nan, _NAN, _INF))
+            chunk[offset].assign(code)
+            return tf.constant(True)
+
+        with tf.name_scope(_CHECK_SCOPE):
+            if self._armed is None:
+                write()
+            else:
+                tf.cond(self._armed, write, lambda: tf.constant(False))
+        return index
+
+    def _grow(self, count: int) -> None:
+        while len(self._chunks) * CHUNK < count:
+            self._chunks.append(tf.Variable(tf.zeros([CHUNK], tf.int32), trainable=False,
+                                            name=f"graddebug_op_codes_{len(self._chunks)}"))
+
+    def _note_cut(self, state: _GraphState, op_type: str, inputs: list[Any], attrs: Any,
+                  outputs: list[Any]) -> None:
+        cause = _CUT_CAUSES.get(op_type)
+        if cause is None and op_type == "Cast":
+            dtype = outputs[0].dtype
+            if dtype.is_integer or dtype == tf.bool:
+                cause = _INTEGER_CAST.format(dtype=dtype.name)
+        if cause is None or not any(t.dtype.is_floating for t in inputs):
+            return
+        op = outputs[0].op
+        state.cuts.append(_Cut(self._stack[-1], op.name, cause, user_source(op)))
+
+    # -- closing a step -------------------------------------------------------------------
+
+    def read(self) -> np.ndarray | None:
+        """The codes of the step (one transfer), zeroed for the next; None before any op was
+        checked."""
+        if self._count == 0:
+            return None
+        used = self._chunks[: (self._count - 1) // CHUNK + 1]
+        codes = tf.concat([c.read_value() for c in used], 0).numpy()[: self._count]
+        for c in used:
+            c.assign(tf.zeros_like(c))
+        return codes
+
+    def nonfinite_events(self, step: int, codes: np.ndarray, layer_events: list[Event]
+                         ) -> list[Event]:
+        """The op where NaN/Inf was born in forward and the one in backward, if any.
+
+        Args:
+            step: The step.
+            codes: Its codes, from :meth:`read`.
+            layer_events: Its layer-level events: a forward birth in a layer whose output
+                went non-finite is preferred to one in a layer that stayed finite (an
+                attention mask's -inf, by design).
+        """
+        if not (codes > _FINITE).any():
+            return []
+        births = [s for s in self._sites
+                  if s.spec is not None and max(codes[i] for i in s.codes) > _FINITE
+                  and all(codes[i] <= _FINITE for i in s.inputs)]
+        events = []
+        forward = [s for s in births if s.forward is None]
+        if forward:
+            broken = {e.layer for e in layer_events
+                      if e.event == EventKind.FORWARD_NONFINITE.value}
+            first = next((s for s in forward if s.spec is not None and s.spec.name in broken),
+                         forward[0])
+            events.append(self._event(step, first, EventKind.OP_NONFINITE,
+                                      _DETAIL[max(codes[i] for i in first.codes)]))
+        backward = [s for s in births if s.forward is not None]
+        if backward:
+            grad = backward[0]
+            target = grad.forward
+            assert target is not None
+            what = _DETAIL[max(codes[i] for i in grad.codes)]
+            events.append(self._event(
+                step, target, EventKind.OP_GRAD_NONFINITE,
+                f"{what}, in the gradient of {target.describe()}, computed by "
+                f"{grad.op_type} {grad.op_name!r}"))
+        return events
+
+    @staticmethod
+    def _event(step: int, site: _Site, kind: EventKind, detail: str) -> Event:
+        spec = site.spec
+        assert spec is not None
+        return Event(step, spec.name, site.tensor, spec.depth, kind.value, detail,
+                     source=site.source)
+
+    def cut_events(self, step: int) -> list[Event]:
+        """The ``op_cut`` events of every traced graph's cuts (judged once per trace)."""
+        events = []
+        for state in list(self._graphs.values()):
+            graph = state.graph()
+            if graph is None:
+                continue
+            for cut in state.cuts:
+                if not cut.judged:
+                    cut.judged = True
+                    cut.event = _judge(graph, cut)
+                if cut.event is not None:
+                    tensor, detail = cut.event
+                    events.append(Event(step, cut.spec.name, tensor, cut.spec.depth,
+                                        EventKind.OP_CUT.value, detail, source=cut.source))
+        return events
+
+
+def _judge(graph: Any, cut: _Cut) -> tuple[str, str] | None:
+    """The ``(tensor, detail)`` of a candidate cut that reads values computed from a variable
+    and whose output is used; None for one that cuts nothing a gradient would cross."""
+    op = graph.get_operation_by_name(cut.op_name)
+    consumers = _readers(op)
+    if not consumers:
+        return None
+    upstream = next((t.op for t in op.inputs if t.dtype.is_floating), None)
+    while upstream is not None and upstream.type in _PASS_THROUGH and upstream.inputs:
+        upstream = upstream.inputs[0].op  # a recording identity: name what it passes on
+    if upstream is None or not _reads_variable(upstream):
+        return None
+    down = consumers[0]
+    detail = (f"{cut.cause}; the gradient stops between {upstream.type} {upstream.name!r} "
+              f"and {down.type} {down.name!r}")
+    tensor = f"{op.type}@{cut.source}" if cut.source else op.type
+    return tensor, detail
+
+
+def _readers(op: Any) -> list[Any]:
+    """The ops that read ``op``'s outputs, graddebug's checks and identities stepped over."""
+    found: list[Any] = []
+    todo = [op]
+    seen = {op.name}
+    while todo:
+        for t in todo.pop(0).outputs:
+            for reader in t.consumers():
+                if _CHECK_SCOPE in reader.name or reader.name in seen:
+                    continue
+                seen.add(reader.name)
+                if reader.type in _PASS_THROUGH:
+                    todo.append(reader)
+                else:
+                    found.append(reader)
+    return found
+
+
+def _reads_variable(op: Any, limit: int = 20000) -> bool:
+    """Whether ``op`` depends on a variable read (its values can carry a gradient)."""
+    seen = {op.name}
+    todo = [op]
+    while todo and len(seen) < limit:
+        current = todo.pop()
+        if current.type in ("ReadVariableOp", "ResourceGather"):
+            return True
+        for t in current.inputs:
+            if t.dtype.is_floating or t.dtype == tf.resource:
+                if t.op.name not in seen:
+                    seen.add(t.op.name)
+                    todo.append(t.op)
+    return False
