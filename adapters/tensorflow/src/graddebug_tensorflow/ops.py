@@ -62,6 +62,18 @@ _DETAIL = {_INF: "Inf", _NAN: "NaN"}
 # and only the first broken step has a meaningful origin).
 _SKIP = frozenset({"Const", "Placeholder", "VarHandleOp", "ReadVariableOp", "NoOp", "Shape",
                    "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"})
+# Grappler rewrites chains of ops when each is the only reader of the one before: it fuses a
+# contraction (MatMul, a convolution, a fused batch norm) with the bias add, residual add and
+# activation after it, and turns trees of adds into one AddN. A check would be a second
+# reader: the rewrite would not happen, the kernels would round differently, and the weights
+# would change in their last bits (a residual CNN under fit did, where a batch norm's output
+# add fed the residual add). So contractions go unchecked, and the output of an add or a
+# multiplication is checked only once an op reads it that no such chain would include.
+_CONTRACTIONS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D",
+                           "DepthwiseConv2dNative", "FusedBatchNorm", "FusedBatchNormV2",
+                           "FusedBatchNormV3"})
+_CHAINED = frozenset({"BiasAdd", "Add", "AddV2", "AddN", "Sub", "Mul"})
+_CHAIN_ENDS = _CHAINED | {"Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid"}
 _TRUSTED_INPUTS = frozenset({"Const", "ReadVariableOp", "ZerosLike", "OnesLike"})
 # graddebug's own checks, named so that a walk of the graph can step over them.
 _CHECK_SCOPE = "graddebug_check"
@@ -186,6 +198,8 @@ class _GraphState:
 
     graph: weakref.ReferenceType[Any]
     codes: dict[str, int] = field(default_factory=dict)  # tensor name -> code index
+    aliases: dict[str, Any] = field(default_factory=dict)  # identity name -> tensor it passes
+    pending: dict[str, _Site] = field(default_factory=dict)  # chained outputs, unchecked yet
     forward: dict[str, _Site] = field(default_factory=dict)  # op name -> site
     outputs: dict[str, _Site] = field(default_factory=dict)  # tensor name -> forward site
     cuts: list[_Cut] = field(default_factory=list)
@@ -262,8 +276,8 @@ class OpCapture:
         if tf.executing_eagerly() or not self._registered:
             return
         state = self._graphs.get(original.graph)
-        if state is not None and original.name in state.codes:
-            state.codes[watched.name] = state.codes[original.name]
+        if state is not None:
+            state.aliases[watched.name] = original
             if original.name in state.outputs:
                 state.outputs[watched.name] = state.outputs[original.name]
 
@@ -297,9 +311,9 @@ class OpCapture:
             if not floating:
                 return
             op = floating[0].op
-            site = _Site(self._stack[-1], op_type, op.name, user_source(op),
-                         tuple(self._check(state, t) for t in floating),
-                         self._input_codes(state, inputs))
+            site = _Site(self._stack[-1], op_type, op.name, user_source(op), (),
+                         self._input_codes(state, op_type, inputs))
+            self._output_codes(state, site, floating)
             self._sites.append(site)
             state.forward[op.name] = site
             for t in floating:
@@ -314,9 +328,9 @@ class OpCapture:
         forward = self._differentiated(state, op.name, inputs)
         if forward is None:
             return
-        site = _Site(forward.spec, op_type, op.name, forward.source,
-                     tuple(self._check(state, t) for t in floating),
-                     self._input_codes(state, inputs), forward)
+        site = _Site(forward.spec, op_type, op.name, forward.source, (),
+                     self._input_codes(state, op_type, inputs), forward)
+        self._output_codes(state, site, floating)
         self._sites.append(site)
 
     def _differentiated(self, state: _GraphState, name: str, inputs: list[Any]) -> _Site | None:
@@ -336,13 +350,36 @@ class OpCapture:
                 return site
         return None
 
-    def _input_codes(self, state: _GraphState, inputs: list[Any]) -> tuple[int, ...]:
+    def _output_codes(self, state: _GraphState, site: _Site, outputs: list[Any]) -> None:
+        """Check ``site``'s outputs now, or, for a link of a chain Grappler may rewrite,
+        once a reader outside such chains appears (see ``_CHAINED``)."""
+        if site.op_type in _CONTRACTIONS:
+            return
+        if site.op_type in _CHAINED:
+            for t in outputs:
+                state.pending[t.name] = site
+            return
+        site.codes = tuple(self._check(state, t) for t in outputs)
+
+    def _input_codes(self, state: _GraphState, reader: str, inputs: list[Any]
+                     ) -> tuple[int, ...]:
+        """The codes of the floating inputs an op of type ``reader`` reads, checking those
+        not checked yet; weights, constants and links of a rewritable chain are left out."""
         codes = []
         for t in inputs:
+            t = state.aliases.get(t.name, t)
             if not t.dtype.is_floating or t.op.type in _TRUSTED_INPUTS:
                 continue
             index = state.codes.get(t.name)
-            codes.append(index if index is not None else self._check(state, t))
+            if index is None:
+                kind = t.op.type
+                if kind in _CONTRACTIONS or (kind in _CHAINED and reader in _CHAIN_ENDS):
+                    continue
+                index = self._check(state, t)
+                producer = state.pending.pop(t.name, None)
+                if producer is not None:
+                    producer.codes = (*producer.codes, index)
+            codes.append(index)
         return tuple(codes)
 
     def _check(self, state: _GraphState, tensor: Any) -> int:
@@ -416,7 +453,7 @@ class OpCapture:
         if not (codes > _FINITE).any():
             return []
         births = [s for s in self._sites
-                  if s.spec is not None and max(codes[i] for i in s.codes) > _FINITE
+                  if s.spec is not None and s.codes and max(codes[i] for i in s.codes) > _FINITE
                   and all(codes[i] <= _FINITE for i in s.inputs)]
         events = []
         forward = [s for s in births if s.forward is None]
