@@ -320,10 +320,9 @@ def test_checks_are_traced_only_with_ops_and_none_after_exit():
 
 def test_nothing_is_left_installed_after_an_exception():
     model = model_with(LogLayer(name="logs"))
-    with pytest.raises(RuntimeError, match="user code"):
-        with graddebug.watch(model, ops=True):
-            assert graddebug_ops_in_a_fresh_trace(model) != []
-            raise RuntimeError("user code")
+    with pytest.raises(RuntimeError, match="user code"), graddebug.watch(model, ops=True):
+        assert graddebug_ops_in_a_fresh_trace(model) != []
+        raise RuntimeError("user code")
     assert graddebug_ops_in_a_fresh_trace(model) == []
     assert "call" not in vars(model.layers[1])
 

@@ -33,6 +33,7 @@ from graddebug.errors import ConfigError
 from graddebug.records import EventKind
 from graddebug_tensorflow.buffers import ScalerCol, StateBuffers
 from graddebug_tensorflow.model import LayerIndex
+from graddebug_tensorflow.ops import OpCapture
 from graddebug_tensorflow.outputs import (
     Slot,
     carry_keras_attributes,
@@ -43,7 +44,6 @@ from graddebug_tensorflow.outputs import (
     leaf_names,
     unit_axis,
 )
-from graddebug_tensorflow.ops import OpCapture
 from graddebug_tensorflow.params import Param, ParamSet
 from graddebug_tensorflow.records import handed_over, param_records, skipped_step, step_records
 from graddebug_tensorflow.replicas import all_reduced, replica_index, strategy_of

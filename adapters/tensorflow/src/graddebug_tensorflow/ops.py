@@ -28,6 +28,7 @@ suspect step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sysconfig
@@ -223,6 +224,7 @@ class OpCapture:
         self._stack: list[LayerSpec] = []
         self._own = 0
         self._registered = False
+        self._removed = False  # a callback left in another thread then does nothing
         self._armed: tf.Variable | None = None
         with tf.init_scope():
             if gated:
@@ -234,12 +236,12 @@ class OpCapture:
     def remove(self) -> None:
         """Unregister the op callback (graphs traced meanwhile keep their checks, which then
         write to variables nobody reads)."""
+        self._removed = True
         if self._registered and _op_callbacks is not None:
             self._registered = False
-            try:
+            # Callbacks are per thread: one registered by another thread's trace is not here.
+            with contextlib.suppress(KeyError):
                 _op_callbacks.remove_op_callback(self._callback)
-            except KeyError:  # pragma: no cover - removed by someone else (another thread)
-                pass
 
     @property
     def registered(self) -> bool:
@@ -252,7 +254,7 @@ class OpCapture:
         if tf.executing_eagerly() or _op_callbacks is None:
             yield
             return
-        if not self._registered:
+        if not self._registered and not self._removed:
             _op_callbacks.add_op_callback(self._callback)
             self._registered = True
         self._stack.append(spec)
@@ -290,7 +292,7 @@ class OpCapture:
 
     def _callback(self, op_type: str, inputs: Any, attrs: Any, outputs: Any,
                   op_name: str | None = None, graph: Any = None) -> None:
-        if graph is None or self._own or not outputs:
+        if graph is None or self._own or self._removed or not outputs:
             return None
         try:
             self._trace(op_type, list(inputs), attrs, list(outputs), graph)
@@ -547,8 +549,7 @@ def _reads_variable(op: Any, limit: int = 20000) -> bool:
         if current.type in ("ReadVariableOp", "ResourceGather"):
             return True
         for t in current.inputs:
-            if t.dtype.is_floating or t.dtype == tf.resource:
-                if t.op.name not in seen:
-                    seen.add(t.op.name)
-                    todo.append(t.op)
+            if (t.dtype.is_floating or t.dtype == tf.resource) and t.op.name not in seen:
+                seen.add(t.op.name)
+                todo.append(t.op)
     return False
