@@ -13,12 +13,15 @@ From the codes, an op is where NaN or Inf was born when its output is non-finite
 floating input it read was finite: in forward, the first such op (``op_nonfinite``); in
 backward, the first gradient op, closest to the loss (``op_grad_nonfinite``), reported as the
 backward of the forward op it differentiates. Each carries the op type, its name and the
-user's source line from the op's creation traceback (``op.traceback``).
+user's source line from the op's creation traceback (``op.traceback``). A few links of
+chains that Grappler rewrites are left unchecked, so that the weights stay bitwise identical
+(see ``_CHAINED``).
 
 Cut graphs need no per-step work: when a step shows starved parameters or cut layer outputs,
 the ops that cut gradients (``StopGradient``, ``PyFunc``/``EagerPyFunc`` of
 ``tf.numpy_function``/``tf.py_function``, a ``Cast`` to an integer, rounding, argmax), traced
-inside watched layers downstream of a variable, are named as ``op_cut`` events, once per trace.
+inside watched layers downstream of a variable, are named as ``op_cut`` events, judged once
+per trace (:mod:`.opcuts`).
 
 Eager steps are left to layer capture: the callback is registered on the first watched layer
 call inside a graph, and never for an eager loop. Under ``escalate=True`` the same ops are
@@ -29,6 +32,7 @@ suspect step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import sysconfig
@@ -44,6 +48,7 @@ import tensorflow as tf
 
 from graddebug.capture.layers import LayerSpec
 from graddebug.records import Event, EventKind
+from graddebug_tensorflow.opcuts import CHECK_SCOPE, Cut, cut_cause, judge
 
 try:
     from tensorflow.python.framework import op_callbacks as _op_callbacks
@@ -76,25 +81,8 @@ _CONTRACTIONS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D",
 _CHAINED = frozenset({"BiasAdd", "Add", "AddV2", "AddN", "Sub", "Mul"})
 _CHAIN_ENDS = _CHAINED | {"Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid"}
 _TRUSTED_INPUTS = frozenset({"Const", "ReadVariableOp", "ZerosLike", "OnesLike"})
-# graddebug's own checks, named so that a walk of the graph can step over them.
-_CHECK_SCOPE = "graddebug_check"
-_PASS_THROUGH = frozenset({"Identity", "IdentityN"})
 # A gradient op's name: the tape's (``gradient_tape/``) or ``tf.gradients``' scope.
 _GRADIENT_SCOPE = re.compile(r"^(?:.*/)?(?:gradient_tape|gradients)(?:_\d+)?/")
-_CUT_CAUSES = {
-    "StopGradient": "tf.stop_gradient cut the graph",
-    "PreventGradient": "tf.raw_ops.PreventGradient cut the graph",
-    "PyFunc": "the values left TensorFlow through tf.numpy_function, which has no gradient",
-    "PyFuncStateless": "the values left TensorFlow through tf.numpy_function, which has no "
-                       "gradient",
-    "EagerPyFunc": "the values went through tf.py_function, and no tape watched them there",
-    "Round": "tf.round has no gradient",
-    "Floor": "tf.floor has no gradient",
-    "Ceil": "tf.math.ceil has no gradient",
-    "ArgMax": "an argmax has no gradient",
-    "ArgMin": "an argmin has no gradient",
-}
-_INTEGER_CAST = "a cast to {dtype} (an integer has no gradient)"
 
 
 def available() -> bool:
@@ -102,6 +90,7 @@ def available() -> bool:
     return _op_callbacks is not None
 
 
+@functools.cache
 def _library_dirs() -> tuple[str, ...]:
     dirs = [os.path.dirname(tf.__file__), os.path.dirname(keras.__file__),
             os.path.dirname(os.path.dirname(__file__)), sysconfig.get_paths()["stdlib"]]
@@ -121,7 +110,10 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
 
 
-_LIBRARY: tuple[str, ...] | None = None
+@functools.cache
+def _is_library(filename: str) -> bool:
+    """Whether a traceback's file is TensorFlow's, Keras', graddebug's or Python's own."""
+    return filename.startswith("<") or os.path.realpath(filename).startswith(_library_dirs())
 
 
 def _display(filename: str) -> str:
@@ -136,14 +128,9 @@ def _display(filename: str) -> str:
 def user_source(op: Any) -> str:
     """``file:line`` of the innermost frame of ``op``'s creation traceback that is the user's
     code (not TensorFlow's, Keras', graddebug's or the standard library's); empty if none."""
-    global _LIBRARY
-    if _LIBRARY is None:
-        _LIBRARY = _library_dirs()
-    for frame in reversed(list(op.traceback)):
-        filename = frame.filename
-        if filename.startswith("<") or os.path.realpath(filename).startswith(_LIBRARY):
-            continue
-        return f"{_display(filename)}:{frame.lineno}"
+    for frame in reversed(list(getattr(op, "traceback", None) or ())):
+        if not _is_library(frame.filename):
+            return f"{_display(frame.filename)}:{frame.lineno}"
     return ""
 
 
@@ -153,16 +140,17 @@ class _Site:
 
     Attributes:
         spec: The watched layer whose ``call`` created it (for a gradient op, the forward
-            op's); None for a probe (an input checked only so that its readers can be judged).
+            op's).
         op_type: The op's type (``Log``).
         op_name: The op's name in the graph.
         source: ``file:line`` of the user's code that created it.
-        codes: Indices of its outputs' codes.
+        codes: Indices of its outputs' codes (none for an output left unchecked, or not
+            checked yet: see ``_CHAINED``).
         inputs: Indices of the codes of the floating inputs it read.
         forward: For a gradient op, the forward op it differentiates.
     """
 
-    spec: LayerSpec | None
+    spec: LayerSpec
     op_type: str
     op_name: str
     source: str
@@ -182,18 +170,6 @@ class _Site:
 
 
 @dataclass(eq=False)
-class _Cut:
-    """An op traced inside a watched layer that may cut the graph."""
-
-    spec: LayerSpec
-    op_name: str
-    cause: str
-    source: str
-    event: tuple[str, str] | None = None  # (tensor, detail), once judged a cut
-    judged: bool = False
-
-
-@dataclass(eq=False)
 class _GraphState:
     """What one traced graph holds: its checked tensors, forward ops and candidate cuts."""
 
@@ -203,7 +179,7 @@ class _GraphState:
     pending: dict[str, _Site] = field(default_factory=dict)  # chained outputs, unchecked yet
     forward: dict[str, _Site] = field(default_factory=dict)  # op name -> site
     outputs: dict[str, _Site] = field(default_factory=dict)  # tensor name -> forward site
-    cuts: list[_Cut] = field(default_factory=list)
+    cuts: list[Cut] = field(default_factory=list)
 
 
 class OpCapture:
@@ -226,6 +202,7 @@ class OpCapture:
         self._registered = False
         self._removed = False  # a callback left in another thread then does nothing
         self._armed: tf.Variable | None = None
+        self._armed_now = False
         with tf.init_scope():
             if gated:
                 self._armed = tf.Variable(False, trainable=False, name="graddebug_ops_armed")
@@ -285,8 +262,9 @@ class OpCapture:
 
     def arm(self, on: bool) -> None:
         """Under ``escalate=True``: whether the next steps run their checks."""
-        if self._armed is not None:
+        if self._armed is not None and on != self._armed_now:
             self._armed.assign(on)
+            self._armed_now = on
 
     # -- tracing --------------------------------------------------------------------------
 
@@ -306,7 +284,7 @@ class OpCapture:
         if self._stack:
             if state is None:
                 state = self._graphs[graph] = _GraphState(weakref.ref(graph))
-            self._note_cut(state, op_type, inputs, attrs, outputs)
+            self._note_cut(state, op_type, inputs, outputs)
             if op_type in _SKIP:
                 return
             floating = [t for t in outputs if t.dtype.is_floating]
@@ -404,7 +382,7 @@ class OpCapture:
             chunk[offset].assign(code)
             return tf.constant(True)
 
-        with tf.name_scope(_CHECK_SCOPE):
+        with tf.name_scope(CHECK_SCOPE):
             if self._armed is None:
                 write()
             else:
@@ -416,24 +394,19 @@ class OpCapture:
             self._chunks.append(tf.Variable(tf.zeros([CHUNK], tf.int32), trainable=False,
                                             name=f"graddebug_op_codes_{len(self._chunks)}"))
 
-    def _note_cut(self, state: _GraphState, op_type: str, inputs: list[Any], attrs: Any,
+    def _note_cut(self, state: _GraphState, op_type: str, inputs: list[Any],
                   outputs: list[Any]) -> None:
-        cause = _CUT_CAUSES.get(op_type)
-        if cause is None and op_type == "Cast":
-            dtype = outputs[0].dtype
-            if dtype.is_integer or dtype == tf.bool:
-                cause = _INTEGER_CAST.format(dtype=dtype.name)
-        if cause is None or not any(t.dtype.is_floating for t in inputs):
-            return
-        op = outputs[0].op
-        state.cuts.append(_Cut(self._stack[-1], op.name, cause, user_source(op)))
+        cause = cut_cause(op_type, inputs, outputs)
+        if cause is not None:
+            op = outputs[0].op
+            state.cuts.append(Cut(self._stack[-1], op.name, cause, user_source(op)))
 
     # -- closing a step -------------------------------------------------------------------
 
     def read(self) -> np.ndarray | None:
         """The codes of the step (one transfer), zeroed for the next; None before any op was
-        checked."""
-        if self._count == 0:
+        checked, or when the checks did not run (``escalate=True``, not armed)."""
+        if self._count == 0 or (self._armed is not None and not self._armed_now):
             return None
         used = self._chunks[: (self._count - 1) // CHUNK + 1]
         codes = tf.concat([c.read_value() for c in used], 0).numpy()[: self._count]
@@ -455,14 +428,14 @@ class OpCapture:
         if not (codes > _FINITE).any():
             return []
         births = [s for s in self._sites
-                  if s.spec is not None and s.codes and max(codes[i] for i in s.codes) > _FINITE
+                  if s.codes and max(codes[i] for i in s.codes) > _FINITE
                   and all(codes[i] <= _FINITE for i in s.inputs)]
         events = []
         forward = [s for s in births if s.forward is None]
         if forward:
             broken = {e.layer for e in layer_events
                       if e.event == EventKind.FORWARD_NONFINITE.value}
-            first = next((s for s in forward if s.spec is not None and s.spec.name in broken),
+            first = next((s for s in forward if s.spec.name in broken),
                          forward[0])
             events.append(self._event(step, first, EventKind.OP_NONFINITE,
                                       _DETAIL[max(codes[i] for i in first.codes)]))
@@ -481,7 +454,6 @@ class OpCapture:
     @staticmethod
     def _event(step: int, site: _Site, kind: EventKind, detail: str) -> Event:
         spec = site.spec
-        assert spec is not None
         return Event(step, spec.name, site.tensor, spec.depth, kind.value, detail,
                      source=site.source)
 
@@ -495,61 +467,10 @@ class OpCapture:
             for cut in state.cuts:
                 if not cut.judged:
                     cut.judged = True
-                    cut.event = _judge(graph, cut)
+                    cut.event = judge(graph, cut)
                 if cut.event is not None:
                     tensor, detail = cut.event
                     events.append(Event(step, cut.spec.name, tensor, cut.spec.depth,
                                         EventKind.OP_CUT.value, detail, source=cut.source))
         return events
 
-
-def _judge(graph: Any, cut: _Cut) -> tuple[str, str] | None:
-    """The ``(tensor, detail)`` of a candidate cut that reads values computed from a variable
-    and whose output is used; None for one that cuts nothing a gradient would cross."""
-    op = graph.get_operation_by_name(cut.op_name)
-    consumers = _readers(op)
-    if not consumers:
-        return None
-    upstream = next((t.op for t in op.inputs if t.dtype.is_floating), None)
-    while upstream is not None and upstream.type in _PASS_THROUGH and upstream.inputs:
-        upstream = upstream.inputs[0].op  # a recording identity: name what it passes on
-    if upstream is None or not _reads_variable(upstream):
-        return None
-    down = consumers[0]
-    detail = (f"{cut.cause}; the gradient stops between {upstream.type} {upstream.name!r} "
-              f"and {down.type} {down.name!r}")
-    tensor = f"{op.type}@{cut.source}" if cut.source else op.type
-    return tensor, detail
-
-
-def _readers(op: Any) -> list[Any]:
-    """The ops that read ``op``'s outputs, graddebug's checks and identities stepped over."""
-    found: list[Any] = []
-    todo = [op]
-    seen = {op.name}
-    while todo:
-        for t in todo.pop(0).outputs:
-            for reader in t.consumers():
-                if _CHECK_SCOPE in reader.name or reader.name in seen:
-                    continue
-                seen.add(reader.name)
-                if reader.type in _PASS_THROUGH:
-                    todo.append(reader)
-                else:
-                    found.append(reader)
-    return found
-
-
-def _reads_variable(op: Any, limit: int = 20000) -> bool:
-    """Whether ``op`` depends on a variable read (its values can carry a gradient)."""
-    seen = {op.name}
-    todo = [op]
-    while todo and len(seen) < limit:
-        current = todo.pop()
-        if current.type in ("ReadVariableOp", "ResourceGather"):
-            return True
-        for t in current.inputs:
-            if (t.dtype.is_floating or t.dtype == tf.resource) and t.op.name not in seen:
-                seen.add(t.op.name)
-                todo.append(t.op)
-    return False
