@@ -392,3 +392,54 @@ def test_escalate_on_a_healthy_model_arms_nothing():
                     compiled=True, steps=3, escalate=True)
     assert dbg.findings().empty
     assert not dbg.events()["event"].str.startswith("op_").any()
+
+
+def test_escalate_names_a_cut_on_the_step_after_it_appeared():
+    dbg = run_steps(model_with(StopLayer(name="middle")), compiled=True, steps=3, escalate=True)
+    cuts = dbg.events()
+    cuts = cuts[cuts["event"] == "op_cut"]
+    assert list(cuts["step"].unique()) == [1]
+    starved = dbg.findings()
+    starved = starved[(starved["issue"] == "cut_graph") & (starved["layer"] == "fc1")]
+    assert len(starved) == 1
+    assert_points_at(starved["source"].iloc[0], "cut-stop")
+
+
+# -- fail-open --------------------------------------------------------------------------------
+
+
+def test_a_bug_in_the_op_callback_becomes_an_internal_error_and_training_goes_on(monkeypatch):
+    from graddebug_tensorflow import ops
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in op capture")
+
+    def build():
+        return relu_mlp(depth=3, width=16)
+
+    plain = trained_weights(build, None)
+    monkeypatch.setattr(ops.OpCapture, "_trace", broken)
+    model = build()
+    keras.utils.set_random_seed(1)
+    with pytest.warns(graddebug.errors.GradDebugWarning, match="a bug in op capture"), \
+            graddebug.watch(model, ops=True) as dbg:
+        train(model, batches(5, (16, 32)), dbg, compiled=True)
+    issues = set(dbg.findings()["issue"])
+    assert issues == {"internal_error"}, dbg.findings()["message"].tolist()
+    for a, b in zip(plain, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tf_gradients_in_a_tf_function_names_the_backward_of_sqrt():
+    model = model_with(SqrtLayer(name="roots"))
+    x = tf.constant(np.random.default_rng(0).standard_normal((16, 6)), tf.float32)
+    with graddebug.watch(model, ops=True) as dbg:
+        @tf.function
+        def step(x):
+            loss = tf.reduce_mean((model(x, training=True) - 1.0) ** 2)
+            return tf.gradients(loss, model.trainable_variables)
+
+        dbg.step(step(x))
+    found = only(dbg.findings(), "nonfinite")
+    assert found["message"].startswith("the backward of Sqrt in 'roots'"), found["message"]
+    assert_points_at(found["source"], "backward-sqrt")

@@ -315,12 +315,15 @@ class OpCapture:
 
     def _differentiated(self, state: _GraphState, name: str, inputs: list[Any]) -> _Site | None:
         """The forward op a gradient op named ``name`` differentiates: the forward op whose
-        name scopes it (``gradient_tape/<forward op>/...``), else a forward op in the same
-        scope whose output it reads (``gradient_tape/<scope>/SqrtGrad`` reads ``Sqrt``)."""
+        name scopes it (``gradient_tape/<forward op>/...``, or ``gradients/<forward
+        op>_grad/...`` under ``tf.gradients``), else a forward op in the same scope whose
+        output it reads (``gradient_tape/<scope>/SqrtGrad`` reads ``Sqrt``)."""
         rest = _GRADIENT_SCOPE.sub("", name, count=1)
         parts = rest.split("/")
         for end in range(len(parts) - 1, 0, -1):
-            found = state.forward.get("/".join(parts[:end]))
+            # tf.gradients scopes them as <forward op>_grad/...
+            scope = "/".join(parts[:end])
+            found = state.forward.get(scope) or state.forward.get(scope.removesuffix("_grad"))
             if found is not None:
                 return found
         scope = rest.rpartition("/")[0]
