@@ -277,6 +277,11 @@ def test_healthy_models_give_no_finding_with_ops(build, shape):
     dbg = softmax_training(model, shape, ops=True)
     assert dbg.frame()["step"].nunique() == 6
     assert dbg.findings().empty, dbg.findings()["message"].tolist()
+    if any(layer.name == "masked" for layer in model.layers):
+        # The checks ran and saw the mask's -inf, born there by design: no finding.
+        births = dbg.events()
+        births = births[births["event"] == "op_nonfinite"]
+        assert set(births["layer"]) == {"masked"} and set(births["detail"]) == {"Inf"}
 
 
 def test_a_nan_after_a_mask_of_minus_inf_is_placed_in_its_own_layer():
