@@ -30,8 +30,10 @@ import tensorflow as tf
 from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContext, WatchOptions
 from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError
+from graddebug.records import EventKind
 from graddebug_tensorflow.buffers import ScalerCol, StateBuffers
 from graddebug_tensorflow.model import LayerIndex
+from graddebug_tensorflow.ops import OpCapture
 from graddebug_tensorflow.outputs import (
     Slot,
     carry_keras_attributes,
@@ -135,6 +137,7 @@ class TensorFlowAdapter(BaseAdapter):
         self._recording_var: tf.Variable | None = None
         self._full_var: tf.Variable | None = None  # the tier of the next step, for graphs
         self._scale: LossScale | None = None  # the loss scaling of the bound optimizer
+        self._ops: OpCapture | None = None  # op-level capture (ops=True, escalate=True)
         if self._index is not None:
             self._targets = self._add_layers(
                 self._index.named, self._index.select(options.layers),
@@ -173,6 +176,8 @@ class TensorFlowAdapter(BaseAdapter):
             self._full_var = tf.Variable(True, trainable=False, name="graddebug_full_stats")
         # State created now, eagerly, spares the user's tf.function a second trace.
         self._buffers.reserve(sum(layer.capture for layer in self._layers.values()))
+        if self._model is not None and (self._options.ops or self._options.escalate):
+            self._ops = self._op_capture()
         self._params.resolve()
         for name, target in self._targets.items():
             self._patch(target, "call", self._wrap_call(self._layers[name], target.call))
@@ -187,6 +192,8 @@ class TensorFlowAdapter(BaseAdapter):
         for patch in reversed(self._patches):
             patch.undo()
         self._patches.clear()
+        if self._ops is not None:
+            self._ops.remove()
         if self._model is not None:
             self._reset_compiled()
         self._eager_calls.clear()
@@ -294,9 +301,24 @@ class TensorFlowAdapter(BaseAdapter):
     def _wrap_call(self, layer: LayerSpec, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._on_output(layer, original(*args, **kwargs))
+            ops = self._ops
+            if ops is None:
+                return self._on_output(layer, original(*args, **kwargs))
+            with ops.layer(layer):
+                output = original(*args, **kwargs)
+            return self._on_output(layer, output)
 
         return call
+
+    def _op_capture(self) -> OpCapture | None:
+        """Op-level capture, or None where it cannot run (several replicas: one warning)."""
+        option = "ops" if self._options.ops else "escalate"
+        if self._buffers.replicas > 1:
+            self._ctx.warn_once("ops-replicas", (
+                f"graddebug: {option}=True is not supported under a tf.distribute strategy of "
+                "several replicas; layer-level capture goes on without op-level events."))
+            return None
+        return OpCapture(self._ctx.internal_error, gated=not self._options.ops)
 
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
         """Pass ``tensor`` through the identity that records (and alters) its gradient."""
@@ -310,6 +332,12 @@ class TensorFlowAdapter(BaseAdapter):
         return self._on_output(self._tap_layer(name, intervention), tensor)
 
     def _on_output(self, layer: LayerSpec, output: Any) -> Any:
+        if self._ops is not None:
+            with self._ops.own():
+                return self._watch_output(layer, output)
+        return self._watch_output(layer, output)
+
+    def _watch_output(self, layer: LayerSpec, output: Any) -> Any:
         if dataclasses.is_dataclass(output) and not isinstance(output, type):
             return self._on_dataclass(layer, output)
         with self._fail_open(layer.name):
@@ -373,6 +401,8 @@ class TensorFlowAdapter(BaseAdapter):
             return tf.identity(x), grad
 
         watched = identity(tensor)
+        if self._ops is not None:
+            self._ops.alias(watched, tensor)
         logits = carry_keras_attributes(tensor, watched)
         if logits is not None:
             # Keras losses read a softmax or sigmoid output's logits (``_keras_logits``) and
@@ -426,6 +456,19 @@ class TensorFlowAdapter(BaseAdapter):
         return 0 if replica_index() == 0 else None
 
     def _on_grad(
+        self,
+        layer: LayerSpec,
+        slot: Slot | None,
+        spec: Intervention | None,
+        unit_axis: int | None,
+        dy: tf.Tensor,
+    ) -> tf.Tensor:
+        if self._ops is not None:
+            with self._ops.own():
+                return self._record_grad(layer, slot, spec, unit_axis, dy)
+        return self._record_grad(layer, slot, spec, unit_axis, dy)
+
+    def _record_grad(
         self,
         layer: LayerSpec,
         slot: Slot | None,
@@ -540,11 +583,31 @@ class TensorFlowAdapter(BaseAdapter):
             skipped = skipped_step(step, rows.scaler)
             if skipped is not None:
                 result.events.append(skipped)
+            if self._ops is not None:
+                self._op_events(step, result)
             return result
         finally:
             self._eager_calls.clear()
             if self._recording_var is not None:
                 self._recording_var.assign((step + 1) % self._options.every == 0)
+
+    def _op_events(self, step: int, result: StepResult) -> None:
+        """Add the op-level events of the step, where the Watcher asked for them; under
+        ``escalate=True``, arm the checks of the next steps after a suspect step."""
+        ops = self._ops
+        assert ops is not None
+        with self._fail_open("ops"):
+            codes = ops.read()
+            if self._ctx.capture_ops:
+                if codes is not None:
+                    result.events += ops.nonfinite_events(step, codes, result.events)
+                if any(e.event in _CUT_EVIDENCE for e in result.events):
+                    result.events += ops.cut_events(step)
+            # The Watcher decides after this step whether the next recorded one captures
+            # operations; the checks of a graph cannot wait for its answer, so they run on
+            # every step after one that may arm it, and their codes are used only if it did.
+            ops.arm(any(e.event in _SUSPECT for e in result.events)
+                    or any(r.nan or r.inf for r in result.records))
 
     def next_step_full(self, full: bool) -> None:
         """Set the tier that the next step's compiled graphs read."""
@@ -554,6 +617,10 @@ class TensorFlowAdapter(BaseAdapter):
     def _param_depth(self, param: Param) -> int:
         return self._depth_of(param.chain)
 
+
+_CUT_EVIDENCE = frozenset({EventKind.NO_GRAD.value, EventKind.DETACHED_OUTPUT.value,
+                           EventKind.UNREACHED.value})
+_SUSPECT = _CUT_EVIDENCE | {EventKind.FORWARD_NONFINITE.value}
 
 _write_forward = compiled(write_forward)
 _write_activation = compiled(write_activation)
