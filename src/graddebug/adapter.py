@@ -203,8 +203,13 @@ class Adapter(Protocol):
         """Record (and optionally alter) the gradient that reaches ``tensor``; return the
         tensor to use downstream."""
 
-    def has_pending(self) -> bool:
-        """Whether gradients were captured, or an optimizer stepped, in the open step."""
+    def has_pending(self, closing: bool = False) -> bool:
+        """Whether gradients were captured, or an optimizer stepped, in the open step.
+
+        ``closing``: the Watcher closes the step right after a True answer, with no
+        gradients handed over, so an adapter that had to read its state to answer may keep
+        what it read for that :meth:`close_step` (one host transfer, not two).
+        """
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Close the open step: gather statistics if ``record``, and clear per-step state.

@@ -331,15 +331,19 @@ class Watcher(RunResults):
                 "step() was called outside the `with graddebug.watch(...)` block; "
                 "call it inside the block, once per optimizer step."
             )
-        state = self.step_state
-        if state is StepState.CLOSED_BY_OPTIMIZER:
+        # The adapter is asked whether anything arrived only where the answer matters: in
+        # TensorFlow it reads the buffers, a host transfer.
+        adapter, closed = self._adapter, self._closed
+        if closed is StepState.CLOSED_BY_OPTIMIZER and not (
+                adapter is not None and adapter.has_pending()):
             optimizer = type(self._options.optimizer).__name__
             raise WatcherStateError(
                 f"dbg.step() found no gradient to record: {optimizer}.step() has closed this "
                 "step already, as it does each step under watch(optimizer=...). Leave "
                 "dbg.step() out of the loop, or drop optimizer=."
             )
-        if grads is None and self.recording and state is StepState.CLOSED_BY_USER:
+        if (grads is None and self.recording and closed is StepState.CLOSED_BY_USER
+                and not (adapter is not None and adapter.has_pending(closing=True))):
             self.warn_once("step-twice", (
                 f"graddebug: dbg.step() was called again with no backward since the last call "
                 f"(step {self._step}); it recorded nothing, since the gradients on the "

@@ -31,7 +31,7 @@ from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContex
 from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError
 from graddebug.records import EventKind
-from graddebug_tensorflow.buffers import ScalerCol, StateBuffers
+from graddebug_tensorflow.buffers import Rows, ScalerCol, StateBuffers
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.ops import OpCapture
 from graddebug_tensorflow.outputs import (
@@ -134,6 +134,7 @@ class TensorFlowAdapter(BaseAdapter):
         )
         self._patches: list[_Patch] = []
         self._eager_calls: dict[tuple[str, str, int], int] = {}
+        self._peeked: Rows | None = None  # see has_pending(closing=True)
         self._recording_var: tf.Variable | None = None
         self._full_var: tf.Variable | None = None  # the tier of the next step, for graphs
         self._scale: LossScale | None = None  # the loss scaling of the bound optimizer
@@ -251,10 +252,13 @@ class TensorFlowAdapter(BaseAdapter):
 
         self._patch(optimizer, "apply", apply)
 
-    def has_pending(self) -> bool:
-        """Whether a gradient was recorded since the last step closed."""
+    def has_pending(self, closing: bool = False) -> bool:
+        """Whether a gradient was recorded since the last step closed (one read of the
+        buffers; with ``closing``, a True answer keeps the rows for the close that follows)."""
         rows = self._buffers.peek()
-        return bool((rows.acts[..., Col.BWD] > 0).any() or (rows.params[:, 0] > 0).any())
+        pending = bool((rows.acts[..., Col.BWD] > 0).any() or (rows.params[:, 0] > 0).any())
+        self._peeked = rows if closing and pending else None
+        return pending
 
     def _model_layer_names(self) -> list[str]:
         return list(self._index.named) if self._index is not None else []
@@ -562,13 +566,19 @@ class TensorFlowAdapter(BaseAdapter):
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Read and clear the buffers (one transfer) and turn them into records."""
+        peeked, self._peeked = self._peeked, None
         try:
             if grads is not None:  # checks the count on every step
                 self._params.write_given(list(grads), self._given_scale())
+                peeked = None
             if not record:
                 self._buffers.clear()
                 return StepResult()
-            rows = self._buffers.read_and_clear()
+            if peeked is not None:  # read by has_pending(closing=True) just before
+                rows = peeked
+                self._buffers.clear()
+            else:
+                rows = self._buffers.read_and_clear()
             result = StepResult()
             slots = list(self._slots.values())
             for replica, acts in enumerate(rows.acts):

@@ -166,7 +166,7 @@ class V1GraphAdapter(BaseAdapter):
                 vars(optimizer).pop("apply_gradients", None)
         self._unpatch.clear()
 
-    def has_pending(self) -> bool:
+    def has_pending(self, closing: bool = False) -> bool:
         """Never: the statistics of a step are in the session's hands until ``step()``."""
         return False
 

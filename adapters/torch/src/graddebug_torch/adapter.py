@@ -37,6 +37,7 @@ from graddebug_torch.guards import (
     ModuleOwners,
     check_mask_device,
     in_functorch_transform,
+    transform_running,
 )
 from graddebug_torch.ops import OpCapture
 from graddebug_torch.outputs import (
@@ -239,8 +240,9 @@ class TorchAdapter(BaseAdapter):
         if self._model is not None and self._was_training is not None:
             self._model.train(self._was_training)
 
-    def has_pending(self) -> bool:
-        """Whether the open step captured anything, or holds gradients nobody recorded."""
+    def has_pending(self, closing: bool = False) -> bool:
+        """Whether the open step captured anything, or holds gradients nobody recorded (read
+        from Python state: ``closing`` changes nothing)."""
         state = self._state
         if state.touched or state.captures or state.expected or state.transformed:
             return True
@@ -391,7 +393,7 @@ class TorchAdapter(BaseAdapter):
         flow = self._flows.finished(module)
         if self._pause.paused:  # a backward pass raised before its end
             self._pause.resume()
-        if in_functorch_transform():
+        if transform_running():
             self._skip_transformed()
             return
         if not ctx.recording or not torch.is_grad_enabled():

@@ -14,7 +14,7 @@ from graddebug.capture.layers import Intervention
 from graddebug.errors import ConfigError, WatcherStateError
 
 __all__ = ["FUNCTORCH_WARNING", "ModuleOwners", "check_mask_device", "hooked_module",
-           "in_functorch_transform"]
+           "in_functorch_transform", "transform_running"]
 
 # Every module hooked by a live Watcher, with the id of its ModuleOwners and the watched model's
 # class. Process-wide on purpose: two Watchers know nothing of each other otherwise. Weak keys:
@@ -79,6 +79,12 @@ def in_functorch_transform() -> bool:
     """
     if torch.compiler.is_compiling():
         return False
+    return transform_running()
+
+
+def transform_running() -> bool:
+    """:func:`in_functorch_transform` for a caller that knows dynamo is not tracing it (a
+    forward hook runs once per layer and step: one check fewer)."""
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
