@@ -68,8 +68,8 @@ from graddebug_torch.stats import (
     whole_absmax,
 )
 from graddebug_torch.step import (
-    BackwardPause,
     Capture,
+    CollectorPause,
     ForwardChecks,
     ParamGrad,
     StepCaptures,
@@ -121,7 +121,7 @@ class TorchAdapter(BaseAdapter):
         self._params: list[TorchParam] = []
         self._handles: list[RemovableHandle] = []
         self._staging = SmallGrads()  # gradients
-        self._pause = BackwardPause()
+        self._pause = CollectorPause()
         self._forward_staging = SmallGrads()  # outputs, for the forward check
         self._state = StepCaptures(forward=ForwardChecks(self._forward_staging))
         self._owners = ModuleOwners()
@@ -464,7 +464,7 @@ class TorchAdapter(BaseAdapter):
     def _record_grad(self, layer: LayerSpec, tname: str, grad: Tensor,
                      new: Tensor | None) -> None:
         if not self._pause.paused:
-            self._pause.start()
+            self._pause.until_backward_ends()
         seen = new if new is not None else grad
         if seen.is_sparse:
             seen = seen.coalesce().values()

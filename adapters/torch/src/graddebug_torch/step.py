@@ -22,7 +22,7 @@ from graddebug_torch.sharded import GlobalStats, OnBug, nonfinite_flags, row_val
 from graddebug_torch.staging import SMALL_NUMEL, GroupStats, SmallGrads, StagedGroup
 from graddebug_torch.stats import acc_dtype, finiteness, unit_summary
 
-__all__ = ["BackwardPause", "Capture", "ForwardChecks", "GradHooks", "ParamGrad", "ParamRow",
+__all__ = ["Capture", "CollectorPause", "ForwardChecks", "GradHooks", "ParamGrad", "ParamRow",
            "StepCaptures", "gather", "kept_array", "shape_text"]
 
 Key = tuple[str, str]
@@ -97,7 +97,7 @@ class ParamRow:
     sharded: bool = False
 
 
-class BackwardPause:
+class CollectorPause:
     """Pauses Python's cyclic garbage collector from the first recorded gradient of a backward
     pass to the pass's end, as :func:`graddebug.capture.buffer.gc_paused` does while a step
     closes.
@@ -107,8 +107,8 @@ class BackwardPause:
     oldest generation, whose collection walks the whole heap (every module, parameter and
     tensor of the process): about a fifth of a step on 10,000 layers. Paused, they die young.
     The collector is resumed by a callback the autograd engine runs when the pass ends; a pass
-    that raises before its end is resumed by :meth:`resume` when the step closes, at the next
-    forward, or on exit. A collector the user disabled stays disabled.
+    that raises before its end is resumed at the next forward, when the step closes, or on
+    exit. A collector the user disabled stays disabled.
     """
 
     __slots__ = ("paused",)
@@ -116,8 +116,9 @@ class BackwardPause:
     def __init__(self) -> None:
         self.paused = False
 
-    def start(self) -> None:
-        """Pause, if not already, until the running backward pass ends."""
+    def until_backward_ends(self) -> None:
+        """Pause, if the collector runs and no pause holds it already, until the running
+        backward pass ends."""
         if self.paused or not gc.isenabled():
             return
         try:
