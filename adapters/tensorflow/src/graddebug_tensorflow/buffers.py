@@ -149,14 +149,21 @@ class StateBuffers:
     def _variables(self) -> list[tf.Variable]:
         return [*self._chunks, *(v for v in (self.params, self.scaler) if v is not None)]
 
-    def _read(self) -> Rows:
+    def flat(self) -> tf.Tensor | None:
+        """Every buffer of every replica in one flat tensor (eagerly or inside a graph), for
+        :meth:`unpack` to take apart after one transfer; None when there is no buffer."""
         variables = self._variables()
         if not variables:
-            return Rows(np.zeros((1, 0, ACT_WIDTH)), np.zeros((0, PARAM_WIDTH)), np.zeros(0))
+            return None
         # One transfer for every buffer of every replica (not one per chunk: a model of
         # thousands of layers has hundreds of chunks).
-        flat = tf.concat([tf.reshape(self.copy(v, r), [-1])
-                          for r in range(self.replicas) for v in variables], 0).numpy()
+        return tf.concat([tf.reshape(self.copy(v, r), [-1])
+                          for r in range(self.replicas) for v in variables], 0)
+
+    def unpack(self, flat: np.ndarray | None) -> Rows:
+        """The rows of what :meth:`flat` returned, brought to the host."""
+        if flat is None:
+            return Rows(np.zeros((1, 0, ACT_WIDTH)), np.zeros((0, PARAM_WIDTH)), np.zeros(0))
         per_replica = flat.reshape(self.replicas, -1)
         split = len(self._chunks) * CHUNK * ACT_WIDTH
         acts = per_replica[:, :split].reshape(self.replicas, -1, ACT_WIDTH)[:, : self._rows]
@@ -164,6 +171,10 @@ class StateBuffers:
         scaler = rest[len(rest) - SCALER_WIDTH:] if self.scaler is not None else rest[:0]
         params = rest[: len(rest) - len(scaler)].reshape(-1, PARAM_WIDTH)
         return Rows(acts, params, scaler)
+
+    def _read(self) -> Rows:
+        flat = self.flat()
+        return self.unpack(None if flat is None else flat.numpy())
 
     def read_and_clear(self) -> Rows:
         """Return the rows of every buffer, and zero them."""

@@ -31,6 +31,8 @@ class Param:
     keep: bool
     keep_var: tf.Variable | None = None
     graph_unread: bool = False  # inside a graph, its gradient is not read (see ParamSet)
+    shape: tuple[str, int] | None = None
+    """The ``shape`` column's text and the size of its rows, once the first was built."""
 
 
 UNMEASURED = 2.0
@@ -46,19 +48,24 @@ def _param_rows(grads: list[Any], full: bool, scale: Any) -> tf.Tensor:
 _rows = compiled(_param_rows)
 
 
-def _check_given(position: int, grad: Any, var: Any, what: str) -> None:
-    """Check one gradient handed to ``step(grads)`` against its variable.
+def _check_given(position: int, grad: Any, var: Any, expected: tuple[tuple[int, ...], Any],
+                 what: str) -> None:
+    """Check one gradient handed to ``step(grads)`` against its variable, of shape and dtype
+    ``expected``.
 
     Raises:
         GradientCountError: It is not a tensor (nor None), or its shape or dtype differs.
     """
     if grad is None:
         return
-    name = getattr(var, "path", None) or getattr(var, "name", "?")
-    where = f"step() gradient #{position} (for variable {name!r})"
+
+    def where() -> str:  # only for the message: a model has hundreds of variables
+        name = getattr(var, "path", None) or getattr(var, "name", "?")
+        return f"step() gradient #{position} (for variable {name!r})"
+
     if isinstance(grad, tf.distribute.DistributedValues):
         raise GradientCountError(
-            f"{where} is a {type(grad).__name__}, one gradient per replica of a tf.distribute "
+            f"{where()} is a {type(grad).__name__}, one gradient per replica of a tf.distribute "
             "strategy; graddebug measures the gradients the replicas sum: pass the optimizer "
             "as watch(model, optimizer=opt) and close each step with dbg.step()."
         )
@@ -70,13 +77,12 @@ def _check_given(position: int, grad: Any, var: Any, what: str) -> None:
         got, dtype = tuple(grad.shape), tf.as_dtype(grad.dtype)
     else:
         raise GradientCountError(
-            f"{where} is a {type(grad).__name__}, not a tensor or None; pass "
+            f"{where()} is a {type(grad).__name__}, not a tensor or None; pass "
             f"tape.gradient(loss, {what.split(' ')[0]}), in that order."
         )
-    expected = (tuple(var.shape), tf.as_dtype(var.dtype))
     if (got is not None and got != expected[0]) or dtype != expected[1]:
         raise GradientCountError(
-            f"{where} has shape {got} and dtype {dtype.name}, but the variable has shape "
+            f"{where()} has shape {got} and dtype {dtype.name}, but the variable has shape "
             f"{expected[0]} and dtype {expected[1].name}; pass "
             f"tape.gradient(loss, {what.split(' ')[0]}), in that order."
         )
@@ -117,6 +123,7 @@ class ParamSet:
         self._params: list[Param] | None = None
         self._positions: dict[int, int] = {}
         self.aligned: list[Any] = []
+        self._expected: list[tuple[tuple[int, ...], Any]] = []  # shape and dtype, by position
 
     def resolve(self) -> list[Param]:
         """The watched parameters, resolved as soon as the variables exist."""
@@ -147,6 +154,7 @@ class ParamSet:
                             any_shape=True), 0)
             self._buffers.ensure_params(len(params))
         self.aligned = aligned
+        self._expected = [(tuple(v.shape), tf.as_dtype(v.dtype)) for v in aligned]
         self._positions = {id(p.var): i for i, p in enumerate(params)}
         self._params = params
         return params
@@ -172,22 +180,39 @@ class ParamSet:
         ``scale`` they carry (None: none).
 
         Raises:
+            GradientCountError: As :meth:`check_given`.
+        """
+        self.check_given(grads)
+        self.store_given(grads, scale)
+
+    def check_given(self, grads: Sequence[Any]) -> None:
+        """Check gradients handed to ``step(grads)`` against the variables.
+
+        Raises:
             GradientCountError: ``grads`` does not align with the variables: another count,
                 an entry that is not a tensor, or one whose shape or dtype differs from its
                 variable's (a list in the wrong order).
         """
-        params = self.resolve()
+        self.resolve()
         what = "params= entries" if self._given else "model.trainable_variables"
         if len(grads) != len(self.aligned):
             raise GradientCountError(
                 f"step() got {len(grads)} gradients but there are {len(self.aligned)} "
                 f"{what}; pass tape.gradient(loss, {what.split(' ')[0]}) in that order."
             )
-        for position, (grad, var) in enumerate(zip(grads, self.aligned, strict=True)):
-            _check_given(position, grad, var, what)
-        self._store([(i, grads[p.index]) for i, p in enumerate(params)], scale)
+        for position, (grad, var, expected) in enumerate(
+                zip(grads, self.aligned, self._expected, strict=True)):
+            _check_given(position, grad, var, expected, what)
 
-    def _store(self, pairs: list[tuple[int, Any]], scale: Any) -> tf.Tensor:
+    def store_given(self, grads: Sequence[Any], scale: Any = None) -> None:
+        """Write the rows of checked gradients handed to ``step(grads)``, eagerly or inside
+        graddebug's own function (they are not read inside the user's graph)."""
+        params = self.resolve()
+        self._store([(i, grads[p.index]) for i, p in enumerate(params)], scale,
+                    users_graph=False)
+
+    def _store(self, pairs: list[tuple[int, Any]], scale: Any,
+               users_graph: bool | None = None) -> tf.Tensor:
         buffer = self._buffers.params
         if buffer is None or self._params is None:
             return tf.constant(False)
@@ -199,7 +224,9 @@ class ParamSet:
         params = self._params
         present = [(i, g) for i, g in pairs if g is not None]
         unread: list[int] = []
-        if not tf.executing_eagerly():
+        if users_graph is None:
+            users_graph = not tf.executing_eagerly()
+        if users_graph:
             # A second reader of a batch norm's gamma/beta gradient inside the user's graph
             # stops TF's optimizer from fusing that backward as it does unwatched: the weights
             # would differ in their last bits. Those rows say "present, not measured".

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["handed_over", "param_records", "skipped_step", "step_records"]
 
+_ACTIVATION, _PARAMETER = Kind.ACTIVATION.value, Kind.PARAMETER.value  # Enum.value is slow
+
 
 def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray, result: StepResult,
                  rank: int = 0) -> None:
@@ -91,7 +93,7 @@ def _activation(step: int, layer: str, tname: str, depth: int,
     ndim = int(first[Col.RANK])
     dims = tuple(int(d) for d in first[Col.DIMS : Col.DIMS + ndim])
     return Record.from_sums(
-        step, layer, tname, Kind.ACTIVATION.value, depth, str(dims),
+        step, layer, tname, _ACTIVATION, depth, str(dims),
         int(sum(r[Col.NUMEL] for r in rows)),
         norm=math.sqrt(sq) if sq >= 0 else math.nan,
         total=total,
@@ -134,10 +136,11 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
                                            EventKind.NO_GRAD.value))
             continue
         sq, total, absmax = float(row[1]), float(row[2]), float(row[3])
-        shape = tuple(int(d) for d in p.var.shape)
+        if p.shape is None:  # a variable's shape is fixed: its text and size, once
+            shape = tuple(int(d) for d in p.var.shape)
+            p.shape = (str(shape), int(np.prod(shape, dtype=np.int64)))
         result.records.append(Record.from_sums(
-            step, p.layer, p.tensor, Kind.PARAMETER.value, depth(p), str(shape),
-            int(np.prod(shape, dtype=np.int64)),
+            step, p.layer, p.tensor, _PARAMETER, depth(p), p.shape[0], p.shape[1],
             norm=math.sqrt(sq) if sq >= 0 else math.nan,
             total=total,
             absmax=absmax,
