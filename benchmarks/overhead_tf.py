@@ -134,8 +134,11 @@ def build_model(name: str, seed: int = 0) -> tuple[keras.Model, np.ndarray, np.n
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 
-def make_step(model: keras.Model, loss_fn: Any, optimizer: Any) -> Callable[..., Any]:
-    """A compiled train step returning the gradients (traced on its first call)."""
+def make_step(model: keras.Model, loss_fn: Any, optimizer: Any,
+              norms: bool = False) -> Callable[..., Any]:
+    """A compiled train step returning the gradients (traced on its first call); with
+    ``norms``, also, last, the norm of every parameter gradient (the floor (f): the cheapest
+    parameter capture, one reduction a gradient, inside the compiled step)."""
 
     @tf.function
     def step(x: tf.Tensor, y: tf.Tensor) -> list[tf.Tensor]:
@@ -143,22 +146,9 @@ def make_step(model: keras.Model, loss_fn: Any, optimizer: Any) -> Callable[...,
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        if norms:
+            return [*grads, tf.stack([tf.linalg.global_norm([g]) for g in grads])]
         return grads
-
-    return step
-
-
-def make_floor_step(model: keras.Model, loss_fn: Any, optimizer: Any) -> Callable[..., Any]:
-    """The train step of :func:`make_step` that also returns, last, the norm of every
-    parameter gradient (the cheapest parameter capture: one reduction a gradient)."""
-
-    @tf.function
-    def step(x: tf.Tensor, y: tf.Tensor) -> list[tf.Tensor]:
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return [*grads, tf.stack([tf.linalg.global_norm([g]) for g in grads])]
 
     return step
 
@@ -221,7 +211,7 @@ def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
         if loop in ("function", "function_opt"):
             xs, ys = tf.constant(x), tf.constant(y)
             plain_step = make_step(plain, loss, keras.optimizers.SGD(1e-4))
-            watched_step = (make_floor_step if floor else make_step)(watched, loss, optimizer)
+            watched_step = make_step(watched, loss, optimizer, norms=floor)
             plain_step(xs, ys)
             grads = watched_step(xs, ys)  # trace both before timing
             if dbg is not None:

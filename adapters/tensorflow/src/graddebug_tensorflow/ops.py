@@ -47,6 +47,7 @@ import numpy as np
 import tensorflow as tf
 
 from graddebug.capture.layers import LayerSpec
+from graddebug.capture.sources import display_path
 from graddebug.records import Event, EventKind
 from graddebug_tensorflow.opcuts import CHECK_SCOPE, Cut, cut_cause, judge
 
@@ -116,21 +117,12 @@ def _is_library(filename: str) -> bool:
     return filename.startswith("<") or os.path.realpath(filename).startswith(_library_dirs())
 
 
-def _display(filename: str) -> str:
-    """A source file as findings show it: relative to the working directory when under it."""
-    try:
-        relative = os.path.relpath(filename)
-    except ValueError:  # another drive (Windows)
-        return filename
-    return filename if relative.startswith(os.pardir) else relative
-
-
 def user_source(op: Any) -> str:
     """``file:line`` of the innermost frame of ``op``'s creation traceback that is the user's
     code (not TensorFlow's, Keras', graddebug's or the standard library's); empty if none."""
     for frame in reversed(list(getattr(op, "traceback", None) or ())):
         if not _is_library(frame.filename):
-            return f"{_display(frame.filename)}:{frame.lineno}"
+            return f"{display_path(frame.filename)}:{frame.lineno}"
     return ""
 
 

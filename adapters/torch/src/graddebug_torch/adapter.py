@@ -204,8 +204,13 @@ class TorchAdapter(BaseAdapter):
                     functools.partial(self._fail_open, name))
         for index, param in enumerate(self._params):
             if param.param.requires_grad:
+                # A gradient that is only held (small, or of a multi-rank run) takes the
+                # shorter hook: a model of many small layers calls it tens of thousands of
+                # times a step.
+                held = (param.param.numel() <= SMALL_NUMEL or self._late or param.sharded)
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_param_grad, index)))
+                    functools.partial(self._hold_param_grad if held else self._on_param_grad,
+                                      index)))
         self._scaling.attach()
         self._ops.attach()
 
@@ -332,6 +337,15 @@ class TorchAdapter(BaseAdapter):
         return tensor
 
     # -- hooks ------------------------------------------------------------------------------
+
+    def _hold_param_grad(self, index: int, param: Tensor) -> None:
+        """The post-accumulate hook of a gradient measured when the step closes: it is held,
+        so that step() may come after zero_grad(set_to_none=True)."""
+        state = self._state
+        state.touched = True
+        grad = param.grad
+        if grad is not None and self._ctx.recording:
+            state.received[index] = grad
 
     def _on_param_grad(self, index: int, param: Tensor) -> None:
         # Holding the reference lets step() come after zero_grad(set_to_none=True). The sum of

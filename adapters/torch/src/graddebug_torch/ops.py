@@ -60,6 +60,7 @@ import graddebug
 import graddebug_torch
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import LayerSpec, is_op_site, keep_label, op_site_matches
+from graddebug.capture.sources import display_path
 from graddebug.records import Event, EventKind, Kind
 from graddebug_torch.guards import in_functorch_transform
 from graddebug_torch.outputs import CHANNELS_FIRST, flatten, tensors
@@ -115,16 +116,6 @@ def _op_name(func: Callable[..., Any]) -> str:
     if own and last != own and where:  # an alias: torch.mm is also listed as torch.spmm
         name = f"{where}.{own}"
     return name.removesuffix(".__get__")
-
-
-@functools.cache
-def _display(filename: str) -> str:
-    """A source file as findings show it: relative to the working directory when under it."""
-    try:
-        relative = os.path.relpath(filename)
-    except ValueError:  # another drive (Windows)
-        return filename
-    return filename if relative.startswith(os.pardir) else relative
 
 
 def _arguments(args: Any, kwargs: Any) -> list[Tensor]:
@@ -554,7 +545,7 @@ class OpCapture:
         spec = LayerSpec(name=module, channels_first=channels_first, keep=bool(keep),
                          intervention=options.intervene[intervene[0]] if intervene else None,
                          depth=adapter._take_depth())
-        return OpSite(spec, tensor, op, f"{_display(filename)}:{line}", spec.depth,
+        return OpSite(spec, tensor, op, f"{display_path(filename)}:{line}", spec.depth,
                       captured=in_scope or bool(chosen or keep or intervene))
 
     def _follow(self, func: Any, site: OpSite, inputs: list[Tensor], outputs: Any) -> None:

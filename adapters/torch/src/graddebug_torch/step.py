@@ -530,9 +530,12 @@ def kept_array(grad: Tensor) -> np.ndarray:
 
 def _activation_record(step: int, key: Key, depth: int, calls: list[Capture],
                        act: dict[int, _Values], pooled_live: float | None) -> Record:
-    if len(calls) == 1:
-        return _single_record(step, key, depth, calls[0], act[id(calls[0])])
-    sq = total = pre_sq = 0.0
+    first = calls[0]
+    if len(calls) == 1:  # the usual case
+        sq, total, absmax, pre_sq, live = act[id(first)]
+        return _activation_row(step, key, depth, first, first.numel, sq, total, absmax,
+                               pre_sq, live, first.sentinel)
+    sq = total = pre_sum = 0.0
     absmax = -math.inf
     pre = False
     for c in calls:
@@ -541,13 +544,19 @@ def _activation_record(step: int, key: Key, depth: int, calls: list[Capture],
         total += c_total
         absmax = value if math.isnan(value) or math.isnan(absmax) else max(absmax, value)
         if c_pre is not None:
-            pre_sq += c_pre
+            pre_sum += c_pre
             pre = True
-    first = calls[0]
-    live = act[id(first)][4] if len(calls) == 1 else pooled_live
-    units = first.n_units
-    numel = first.numel if len(calls) == 1 else sum(c.numel for c in calls)
-    if any(c.sentinel for c in calls):
+    return _activation_row(step, key, depth, first, sum(c.numel for c in calls), sq, total,
+                           absmax, pre_sum if pre else None, pooled_live,
+                           any(c.sentinel for c in calls))
+
+
+def _activation_row(step: int, key: Key, depth: int, first: Capture, numel: int, sq: float,
+                    total: float, absmax: float, pre_sq: float | None, live: float | None,
+                    sentinel: bool) -> Record:
+    """The row of an output from its summed statistics (``first`` gives the shape and the
+    units)."""
+    if sentinel:
         # Squares are never negative, so the sum of squares is NaN exactly when an entry is;
         # it is Inf for an Inf entry or for finite entries whose squares overflow, which the
         # sum tells apart (it stays finite for the latter).
@@ -556,30 +565,9 @@ def _activation_record(step: int, key: Key, depth: int, calls: list[Capture],
         absmax, live = math.nan, None
     else:
         nan, inf = math.isnan(absmax), math.isinf(absmax)
+    units = first.n_units
     return _record(
         step, key[0], key[1], _ACTIVATION, depth, first.shape, numel,
-        norm=math.sqrt(sq) if sq >= 0 else math.nan,
-        total=total,
-        absmax=absmax,
-        zero_frac=(units - live) / units if live is not None and units else math.nan,
-        nan=nan,
-        inf=inf,
-        pre_norm=math.sqrt(pre_sq) if pre else math.nan,
-    )
-
-
-def _single_record(step: int, key: Key, depth: int, c: Capture, values: _Values) -> Record:
-    """The row of an output captured once in the step (the usual case, on the fast path)."""
-    sq, total, absmax, pre_sq, live = values
-    if c.sentinel:  # see _activation_record
-        nan = math.isnan(sq)
-        inf = not nan and math.isinf(sq) and not math.isfinite(total)
-        absmax, live = math.nan, None
-    else:
-        nan, inf = math.isnan(absmax), math.isinf(absmax)
-    units = c.n_units
-    return _record(
-        step, key[0], key[1], _ACTIVATION, depth, c.shape, c.numel,
         norm=math.sqrt(sq) if sq >= 0 else math.nan,
         total=total,
         absmax=absmax,
