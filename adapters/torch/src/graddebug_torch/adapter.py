@@ -352,16 +352,17 @@ class TorchAdapter(BaseAdapter):
         # squares is taken now, while the gradient is still in cache; a gradient that changes
         # afterwards (accumulation, clipping in place) is measured again when the step closes.
         grad = param.grad
-        state = self._state
-        state.touched = True
-        if not self._ctx.recording or grad is None:
-            return
-        if grad.numel() <= SMALL_NUMEL or self._late or self._params[index].sharded:
+        if (grad is None or grad.numel() <= SMALL_NUMEL or self._late
+                or self._params[index].sharded):
             # Small gradients are left to the batched pass at the step's close (one kernel a
             # shape); a kernel each here would cost more than the data. So are those of a
             # multi-rank run, still to be all-reduced or measured over the ranks (FSDP2 on a
             # GPU writes a sharded gradient on another stream while this hook runs).
-            state.received[index] = grad
+            self._hold_param_grad(index, param)
+            return
+        state = self._state
+        state.touched = True
+        if not self._ctx.recording:
             return
         with self._fail_open(self._params[index].layer):
             dense = not grad.is_sparse and grad.is_contiguous()
