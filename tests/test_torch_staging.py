@@ -151,26 +151,50 @@ class _GcProbe(torch.autograd.Function):
 
 
 class _Probe(nn.Module):
+    """Notes whether the collector was enabled in its forward, and in its backward."""
+
+    forward_seen: ClassVar[list[bool]] = []
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Probe.forward_seen.append(gc.isenabled())
         return _GcProbe.apply(x)
 
 
-def test_collector_paused_during_a_recorded_backward_and_resumed_after():
+def test_collector_paused_during_a_recorded_step_and_resumed_after():
     torch.manual_seed(0)
     # The probe's backward runs after the last layer's gradient was recorded.
     model = nn.Sequential(nn.Linear(4, 4), _Probe(), nn.Linear(4, 1))
     x = torch.randn(3, 4)
     assert gc.isenabled()
     _GcProbe.seen.clear()
-    with graddebug.watch(model) as dbg:
-        model(x).sum().backward()
-        assert gc.isenabled()  # resumed when the backward pass ended, before step()
-        dbg.step()
-    assert _GcProbe.seen == [False]
+    _Probe.forward_seen.clear()
+    with graddebug.watch(model, every=2) as dbg:
+        for _ in range(2):  # step 1 is not recorded: left alone
+            out = model(x)
+            assert gc.isenabled()  # resumed when the forward pass returned
+            out.sum().backward()
+            assert gc.isenabled()  # resumed when the backward pass ended, before step()
+            dbg.step()
+    assert _Probe.forward_seen == [False, True]
+    assert _GcProbe.seen == [False, True]
     # Unwatched, the collector is left alone.
     _GcProbe.seen.clear()
+    _Probe.forward_seen.clear()
     model(x).sum().backward()
+    assert _Probe.forward_seen == [True]
     assert _GcProbe.seen == [True]
+
+
+def test_collector_resumed_after_a_forward_that_raised():
+    class Failing(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("bad batch")
+
+    model = nn.Sequential(nn.Linear(4, 4), Failing())
+    with graddebug.watch(model):
+        with pytest.raises(ValueError, match="bad batch"):
+            model(torch.randn(3, 4))
+        assert gc.isenabled()
 
 
 def test_collector_resumed_after_a_backward_that_raised():

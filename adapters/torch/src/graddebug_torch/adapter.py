@@ -78,7 +78,7 @@ from graddebug_torch.step import (
     shape_text,
 )
 from graddebug_torch.valueflow import ValueFlows, needs_value_flow
-from graddebug_torch.wrappers import class_name, clean_name, unwrap
+from graddebug_torch.wrappers import class_name, clean_name, compiled, unwrap
 
 __all__ = ["TorchAdapter"]
 
@@ -211,6 +211,13 @@ class TorchAdapter(BaseAdapter):
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
                     functools.partial(self._hold_param_grad if held else self._on_param_grad,
                                       index)))
+        # A compiled model traces the root module's hooks into its graph, and a graph must
+        # serve the next Watcher too: the collector is left alone in its forward pass.
+        if (self._root is not None and self._modules and not compiled(
+                self._model if self._model is not None else self._root)):
+            self._handles += [
+                self._root.register_forward_pre_hook(self._forward_begins),
+                self._root.register_forward_hook(self._forward_ends, always_call=True)]
         self._scaling.attach()
         self._ops.attach()
 
@@ -371,6 +378,19 @@ class TorchAdapter(BaseAdapter):
             state.received[index] = ParamGrad(grad, sq, grad._version)
 
 
+    def _forward_begins(self, module: nn.Module, args: Any) -> None:
+        """The root module's forward starts: pause the collector on recorded steps."""
+        if torch.compiler.is_compiling() or not (self._ctx.recording
+                                                 and torch.is_grad_enabled()):
+            return
+        self._pause.resume()  # a backward pass that raised before its end left it paused
+        self._pause.pause()
+
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The root module's forward returned or raised: resume the collector."""
+        if not torch.compiler.is_compiling():
+            self._pause.resume()
+
     def _skip_transformed(self) -> None:
         """A forward or a tap inside a ``torch.func`` transform: skipped, with one warning."""
         self._state.transformed = True
@@ -406,8 +426,6 @@ class TorchAdapter(BaseAdapter):
                                           UNJUDGED_WARNING.format(layer=layer.name))
             return
         flow = self._flows.finished(module)
-        if self._pause.paused:  # a backward pass raised before its end
-            self._pause.resume()
         if transform_running():
             self._skip_transformed()
             return

@@ -98,23 +98,30 @@ class ParamRow:
 
 
 class CollectorPause:
-    """Pauses Python's cyclic garbage collector from the first recorded gradient of a backward
-    pass to the pass's end, as :func:`graddebug.capture.buffer.gc_paused` does while a step
-    closes.
+    """Pauses Python's cyclic garbage collector while a recorded step's forward and backward
+    passes run, as :func:`graddebug.capture.buffer.gc_paused` does while a step closes.
 
-    Each output's capture lives from its hook until the step closes. On a model of many small
-    layers the young collections that a backward's allocations trigger move them all to the
-    oldest generation, whose collection walks the whole heap (every module, parameter and
-    tensor of the process): about a fifth of a step on 10,000 layers. Paused, they die young.
-    The collector is resumed by a callback the autograd engine runs when the pass ends; a pass
-    that raises before its end is resumed at the next forward, when the step closes, or on
-    exit. A collector the user disabled stays disabled.
+    Each output's tensor hook and capture live until the backward pass has used them. On a
+    model of many small layers the young collections that the passes' allocations trigger
+    move them all to the oldest generation, whose collections walk the whole heap (every
+    module, parameter and tensor of the process): about a fifth of a step on 10,000 layers.
+    Paused, they die young. The forward pass is paused by hooks on the root module (the one
+    after it runs also when the forward raises); the backward pass from its first recorded
+    gradient to its end, where the autograd engine calls back. A backward pass that raises
+    before its end is resumed at the next forward, when the step closes, or on exit. A
+    collector the user disabled stays disabled.
     """
 
     __slots__ = ("paused",)
 
     def __init__(self) -> None:
         self.paused = False
+
+    def pause(self) -> None:
+        """Pause, if the collector runs and no pause holds it already."""
+        if not self.paused and gc.isenabled():
+            gc.disable()
+            self.paused = True
 
     def until_backward_ends(self) -> None:
         """Pause, if the collector runs and no pause holds it already, until the running

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["WRAPPER_PREFIXES", "class_name", "clean_name", "unwrap"]
+__all__ = ["WRAPPER_PREFIXES", "class_name", "clean_name", "compiled", "unwrap"]
 
 WRAPPER_PREFIXES: tuple[str, ...] = (
     "_fsdp_wrapped_module.",
@@ -44,6 +44,20 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
         model = inner
     return model
+
+
+def compiled(model: nn.Module) -> bool:
+    """Whether ``model`` runs compiled: it is, or wraps, ``torch.compile``'s
+    ``OptimizedModule``, or a module on the way was compiled in place (``Module.compile()``)."""
+    seen: set[int] = set()
+    current: nn.Module | None = model
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if (type(current).__name__ == "OptimizedModule"
+                or getattr(current, "_compiled_call_impl", None) is not None):
+            return True
+        current = _inner(current)
+    return False
 
 
 def _inner(model: nn.Module) -> nn.Module | None:
