@@ -10,7 +10,9 @@ clip by value, then clip by norm. Clipping by norm rescales the gradient ``g`` t
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -29,6 +31,7 @@ __all__ = [
     "FailOpen",
     "Intervention",
     "LayerSpec",
+    "display_path",
     "fail_open",
     "intervene_fail_open",
     "is_op_site",
@@ -148,6 +151,17 @@ OP_SITE_MARK = "@"
 """What sets an op site's name apart from a layer's: the op site of ``torch.log`` called at line
 42 of ``model.py`` in module ``block`` is named ``block.torch.log@model.py:42`` (its rows have
 ``layer="block"`` and ``tensor="torch.log@model.py:42"``)."""
+
+
+@functools.cache
+def display_path(filename: str) -> str:
+    """A source file as an op site's ``source`` shows it: relative to the working directory
+    when it lies under it, else as given."""
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        return filename
+    return filename if relative.startswith(os.pardir) else relative
 
 
 def is_op_site(name: object) -> bool:

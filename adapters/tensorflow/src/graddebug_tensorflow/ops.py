@@ -46,8 +46,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from graddebug.capture.layers import LayerSpec
-from graddebug.capture.sources import display_path
+from graddebug.capture.layers import LayerSpec, display_path
 from graddebug.records import Event, EventKind
 from graddebug_tensorflow.opcuts import CHECK_SCOPE, Cut, cut_cause, judge
 

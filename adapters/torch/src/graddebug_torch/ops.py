@@ -59,8 +59,13 @@ from torch.utils.hooks import RemovableHandle
 import graddebug
 import graddebug_torch
 from graddebug.adapter import StepResult
-from graddebug.capture.layers import LayerSpec, is_op_site, keep_label, op_site_matches
-from graddebug.capture.sources import display_path
+from graddebug.capture.layers import (
+    LayerSpec,
+    display_path,
+    is_op_site,
+    keep_label,
+    op_site_matches,
+)
 from graddebug.records import Event, EventKind, Kind
 from graddebug_torch.guards import in_functorch_transform
 from graddebug_torch.outputs import CHANNELS_FIRST, flatten, tensors
