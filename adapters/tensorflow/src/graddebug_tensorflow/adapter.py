@@ -582,12 +582,10 @@ class TensorFlowAdapter(BaseAdapter):
             if not record:
                 self._buffers.clear()
                 return StepResult()
-            if rows is not None:
-                pass
-            elif peeked is not None:  # read by has_pending(closing=True) just before
+            if rows is None and peeked is not None:  # read by has_pending(closing=True)
                 rows = peeked
                 self._buffers.clear()
-            else:
+            elif rows is None:
                 rows = self._buffers.read_and_clear()
             result = StepResult()
             slots = list(self._slots.values())

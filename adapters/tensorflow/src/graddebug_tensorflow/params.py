@@ -48,6 +48,12 @@ def _param_rows(grads: list[Any], full: bool, scale: Any) -> tf.Tensor:
 _rows = compiled(_param_rows)
 
 
+def _where(position: int, var: Any) -> str:
+    """The gradient an error message is about (built only for the message)."""
+    name = getattr(var, "path", None) or getattr(var, "name", "?")
+    return f"step() gradient #{position} (for variable {name!r})"
+
+
 def _check_given(position: int, grad: Any, var: Any, expected: tuple[tuple[int, ...], Any],
                  what: str) -> None:
     """Check one gradient handed to ``step(grads)`` against its variable, of shape and dtype
@@ -58,16 +64,11 @@ def _check_given(position: int, grad: Any, var: Any, expected: tuple[tuple[int, 
     """
     if grad is None:
         return
-
-    def where() -> str:  # only for the message: a model has hundreds of variables
-        name = getattr(var, "path", None) or getattr(var, "name", "?")
-        return f"step() gradient #{position} (for variable {name!r})"
-
     if isinstance(grad, tf.distribute.DistributedValues):
         raise GradientCountError(
-            f"{where()} is a {type(grad).__name__}, one gradient per replica of a tf.distribute "
-            "strategy; graddebug measures the gradients the replicas sum: pass the optimizer "
-            "as watch(model, optimizer=opt) and close each step with dbg.step()."
+            f"{_where(position, var)} is a {type(grad).__name__}, one gradient per replica of "
+            "a tf.distribute strategy; graddebug measures the gradients the replicas sum: pass "
+            "the optimizer as watch(model, optimizer=opt) and close each step with dbg.step()."
         )
     if isinstance(grad, tf.IndexedSlices):  # sparse (an embedding): its dense shape counts
         shape, dtype = grad.dense_shape, grad.values.dtype
@@ -77,13 +78,13 @@ def _check_given(position: int, grad: Any, var: Any, expected: tuple[tuple[int, 
         got, dtype = tuple(grad.shape), tf.as_dtype(grad.dtype)
     else:
         raise GradientCountError(
-            f"{where()} is a {type(grad).__name__}, not a tensor or None; pass "
+            f"{_where(position, var)} is a {type(grad).__name__}, not a tensor or None; pass "
             f"tape.gradient(loss, {what.split(' ')[0]}), in that order."
         )
     if (got is not None and got != expected[0]) or dtype != expected[1]:
         raise GradientCountError(
-            f"{where()} has shape {got} and dtype {dtype.name}, but the variable has shape "
-            f"{expected[0]} and dtype {expected[1].name}; pass "
+            f"{_where(position, var)} has shape {got} and dtype {dtype.name}, but the variable "
+            f"has shape {expected[0]} and dtype {expected[1].name}; pass "
             f"tape.gradient(loss, {what.split(' ')[0]}), in that order."
         )
 

@@ -263,14 +263,16 @@ class StepCaptures:
     unscaling them), so the sums of squares taken in the hooks are stale.
     """
 
+    forward: ForwardChecks
     captures: dict[Key, Capture] = field(default_factory=dict)
     """The first call's capture of each output; :meth:`calls` has them all."""
     repeats: dict[Key, list[Capture]] = field(default_factory=dict)
     """Every call's capture, for outputs captured more than once (a module called twice)."""
     expected: dict[Key, int] = field(default_factory=dict)
-    forward: ForwardChecks = field(default_factory=lambda: ForwardChecks(SmallGrads()))
     events: list[Event] = field(default_factory=list)
     kept: dict[str, np.ndarray] = field(default_factory=dict)
+    # Through a lambda: dynamo, tracing a tap's first call in a compiled function, inlines
+    # it, where calling the class as the factory would break the graph.
     hooks: GradHooks = field(default_factory=lambda: GradHooks())
     received: dict[int, ParamGrad | Tensor] = field(default_factory=dict)
     """What the post-accumulate hooks saw, by parameter index: a bare gradient is only held,
