@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
+
+import pytest
 
 from conftest import make_record
+from graddebug.adapter import StepResult
+from graddebug.capture.buffer import RunBuffer
 from graddebug.frames import SUMMARY_COLUMNS, finding_frame, record_frame, summary_frame
 from graddebug.records import RECORD_COLUMNS, Finding, Record
 
@@ -63,3 +68,26 @@ def test_a_one_entry_gradient_has_no_spread() -> None:
                            total=value, absmax=abs(value), zero_frac=math.nan, nan=False,
                            inf=False)
     assert one.std == 0.0 and one.mean == value
+
+
+@pytest.mark.parametrize("unknown_depth", [False, True])
+def test_a_steps_rows_are_stored_activations_ops_parameters_each_in_forward_order(
+        unknown_depth: bool) -> None:
+    rows = [("w", "parameter", 2, "weight"), ("w", "parameter", 2, "bias"),
+            ("b", "activation", 1, "output"), ("a", "activation", 0, "output.1"),
+            ("a", "activation", 0, "output.0"), ("b", "op", 1, "torch.log@m.py:3"),
+            ("a", "parameter", 0, "weight")]
+    if unknown_depth:  # a layer that never ran forward goes last within its kind
+        rows.append(("never", "parameter", -1, "weight"))
+        rows.append(("tap", "activation", -1, "output"))
+    expected = [("a", "output.0"), ("a", "output.1"), ("b", "output")]
+    expected += [("tap", "output")] if unknown_depth else []
+    expected += [("b", "torch.log@m.py:3"), ("a", "weight"), ("w", "bias"), ("w", "weight")]
+    expected += [("never", "weight")] if unknown_depth else []
+    for seed in range(5):
+        shuffled = [make_record(0, layer, depth, 1.0, kind=kind, tensor=tensor)
+                    for layer, kind, depth, tensor in rows]
+        random.Random(seed).shuffle(shuffled)
+        buffer = RunBuffer(None, 1, lambda: ({}, {}), lambda exc, where: None)
+        buffer.add(0, StepResult(records=shuffled))
+        assert [(r[1], r[2]) for r in buffer.records] == expected

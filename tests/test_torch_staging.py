@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import weakref
 from typing import ClassVar
 
 import numpy as np
@@ -16,7 +17,7 @@ from torch import nn  # noqa: E402
 
 import graddebug  # noqa: E402
 import graddebug_torch.adapter as torch_adapter  # noqa: E402
-import graddebug_torch.step as torch_step  # noqa: E402
+import graddebug_torch.params as torch_params  # noqa: E402
 from graddebug_torch.staging import SmallGrads  # noqa: E402
 from torch_models import ResCNN  # noqa: E402
 
@@ -51,7 +52,7 @@ def _run(model: nn.Module, x: torch.Tensor, nan: bool = False) -> pd.DataFrame:
 def _unstaged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SmallGrads, "fits", staticmethod(lambda grad: False))
     monkeypatch.setattr(torch_adapter, "SMALL_NUMEL", -1)
-    monkeypatch.setattr(torch_step, "SMALL_NUMEL", -1)
+    monkeypatch.setattr(torch_params, "SMALL_NUMEL", -1)
 
 
 @pytest.mark.parametrize("case", ["cnn", "twice", "nan"])
@@ -90,6 +91,44 @@ def test_staged_norm_matches_an_independent_reference():
     assert row["norm"].item() == pytest.approx(dh.norm().item(), rel=1e-6)
     assert row["absmax"].item() == pytest.approx(dh.abs().max().item(), rel=1e-6)
     assert row["mean"].item() == pytest.approx(dh.mean().item(), rel=1e-5, abs=1e-8)
+
+
+@pytest.mark.parametrize("change", ["cast", "reshaped"])
+def test_parameter_norms_hold_after_a_parameter_changes_under_watch(change):
+    """Small parameters of one shape are measured in one batched pass: a parameter cast or
+    given data of another shape after ``watch()`` grouped them must still be measured right
+    (a group that no longer stacks is measured one gradient at a time)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)])
+    x = torch.randn(5, 6)
+    with graddebug.watch(model, outputs=False) as dbg:  # the loop below calls no module
+        if change == "cast":
+            model[1].double()  # the weights' group now holds float32 and float64 gradients
+        else:
+            model[2].weight.data = torch.randn(36)  # flat: its group no longer stacks
+        h = x
+        for layer in model:
+            h = nn.functional.linear(h.to(layer.weight.dtype), layer.weight.reshape(6, 6),
+                                     layer.bias)
+        loss = h.float().pow(2).sum()
+        grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        loss.backward()
+        dbg.step()
+    rows = dbg.frame().query("kind == 'parameter'").set_index(["layer", "tensor"])["norm"]
+    names = [name.rsplit(".", 1) for name, _ in model.named_parameters()]
+    for (layer, tensor), grad in zip(names, grads, strict=True):
+        assert rows[(layer, tensor)] == pytest.approx(grad.double().norm().item(), rel=1e-6)
+
+
+def test_a_closed_step_holds_no_parameter_gradient():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 5000))  # a held and a measured one
+    with graddebug.watch(model) as dbg:
+        model(torch.randn(2, 4)).sum().backward()
+        refs = [weakref.ref(p.grad) for p in model.parameters()]
+        dbg.step()
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        assert [r() for r in refs] == [None] * len(refs)
 
 
 class _Mixed(nn.Module):

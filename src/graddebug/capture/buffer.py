@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import operator
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -36,6 +37,19 @@ def _row_order(record: Record) -> tuple[int, float, str, str]:
     """Within a step: activations, then ops, then parameters; each in forward order."""
     depth = record.depth if record.depth >= 0 else math.inf
     return (_KIND_ORDER.get(record.kind, 2), depth, record.layer, record.tensor)
+
+
+_DEPTH = operator.itemgetter(4)
+_KNOWN_DEPTHS = operator.itemgetter(3, 4, 1, 2)
+""":func:`_row_order` where every depth is known: the kinds' values sort in that order."""
+
+
+def _in_order(records: list[Record]) -> list[Record]:
+    """``records`` sorted by :func:`_row_order`, with a key built in C where every depth is
+    known (a large model closes tens of thousands of rows a step)."""
+    if records and min(map(_DEPTH, records)) >= 0:
+        return sorted(records, key=_KNOWN_DEPTHS)
+    return sorted(records, key=_row_order)
 
 
 @contextlib.contextmanager
@@ -114,7 +128,7 @@ class RunBuffer:
         if rank:  # adapters build rows for rank 0; each process knows its own rank
             records = [r._replace(rank=rank) for r in records]
             events = [e._replace(rank=rank) for e in events]
-        self.records.extend(map(tuple, sorted(records, key=_row_order)))
+        self.records.extend(map(tuple, _in_order(records)))
         self.events.extend(events)
         if result.kept:
             self.kept.add(step, result.kept)

@@ -55,7 +55,9 @@ from graddebug_torch.params import (
     check_optimizer,
     given_params,
     model_params,
+    number_groups,
     param_rows,
+    release_rows,
 )
 from graddebug_torch.scaler import LossScaling
 from graddebug_torch.sharded import is_sharded, reduce_sharded
@@ -72,6 +74,7 @@ from graddebug_torch.step import (
     CollectorPause,
     ForwardChecks,
     ParamGrad,
+    ParamRow,
     StepCaptures,
     gather,
     kept_array,
@@ -152,6 +155,7 @@ class TorchAdapter(BaseAdapter):
         if params:
             self._params += given_params(params, options.keep)
             self._add_param_keys(params)
+        number_groups(self._params)
 
     def _name(self, qualified: str) -> str:
         name = clean_name(qualified)
@@ -542,6 +546,7 @@ class TorchAdapter(BaseAdapter):
         that could fail on one rank only. A bug in here becomes an ``internal_error`` finding
         and an empty step; a wrong ``grads`` list (the user's mistake) raises.
         """
+        rows: list[ParamRow] = []
         try:
             if not record:
                 return StepResult()
@@ -566,6 +571,7 @@ class TorchAdapter(BaseAdapter):
                     sharded=sharded, on_bug=self._ctx.internal_error)))
             return StepResult(events=list(state.events))
         finally:
+            release_rows(rows)
             self._scaling.next_pass()
             self._mark_sharded()
             self._drop_step()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,11 +11,12 @@ from torch import Tensor, nn
 
 from graddebug.errors import ConfigError, GradientCountError
 from graddebug_torch.sharded import is_sharded
-from graddebug_torch.step import ParamGrad, ParamRow
+from graddebug_torch.staging import SMALL_NUMEL
+from graddebug_torch.step import ParamGrad, ParamRow, shape_text
 from graddebug_torch.wrappers import clean_name
 
 __all__ = ["TorchParam", "ancestors", "check_optimizer", "given_params", "model_params",
-           "param_rows"]
+           "number_groups", "param_rows", "release_rows"]
 
 
 @dataclass
@@ -40,6 +41,12 @@ class TorchParam:
     keep: bool = False
     depth: int = -1
     sharded: bool = False
+    row: ParamRow = field(init=False, repr=False)
+    """Its row at each step's close (see :class:`~graddebug_torch.step.ParamRow`)."""
+
+    def __post_init__(self) -> None:
+        self.row = ParamRow(self.layer, self.tensor, -1, None, None, self.keep, self.sharded,
+                            shape_text(self.param.shape), self.param.numel())
 
 
 def ancestors(qualified: str) -> Iterator[str]:
@@ -92,6 +99,19 @@ def given_params(params: Mapping[str, Any], keep: Collection[str]) -> list[Torch
         out.append(TorchParam(key, key, value, (key,), keep=key in keep,
                               sharded=is_sharded(value)))
     return out
+
+
+def number_groups(params: Sequence[TorchParam]) -> None:
+    """Number the small parameters of one shape, dtype and device alike (``row.group``):
+    their gradients' norms are taken in one batched pass a group when a step closes. A
+    parameter moved or cast after this (``model.half()`` under ``watch``) only costs that
+    pass: a group whose gradients no longer stack is measured one gradient at a time."""
+    groups: dict[tuple[torch.Size, torch.dtype, torch.device], int] = {}
+    for p in params:
+        tensor = p.param
+        if not p.sharded and tensor.numel() <= SMALL_NUMEL:
+            key = (tensor.shape, tensor.dtype, tensor.device)
+            p.row.group = groups.setdefault(key, len(groups))
 
 
 def check_optimizer(optimizer: Any, params: Sequence[TorchParam]) -> torch.optim.Optimizer:
@@ -155,25 +175,30 @@ def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad | 
             place unseen by their version counters).
         depth_of: The depth of a parameter's layer.
 
+    Returns:
+        The parameters' own rows, filled in: :func:`release_rows` empties them after the close.
+
     Raises:
         GradientCountError: ``grads`` does not line up with the parameters.
     """
-    live = [(i, p) for i, p in enumerate(params) if p.param.requires_grad]
     if grads is not None:
+        live = [p for p in params if p.param.requires_grad]
         grads = list(grads)
         if len(grads) != len(live):
             raise GradientCountError(
                 f"step() got {len(grads)} gradients but {len(live)} parameters are "
                 "watched (those with requires_grad=True, in named_parameters() order)."
             )
-        for position, ((_, p), g) in enumerate(zip(live, grads, strict=True)):
+        for position, (p, g) in enumerate(zip(live, grads, strict=True)):
             _check_given(position, p, g)
-        return [ParamRow(p.layer, p.tensor, depth_of(p), g, None, p.keep, p.sharded)
-                for (_, p), g in zip(live, grads, strict=True)]
+        return [_fill(p, depth_of, g, None) for p, g in zip(live, grads, strict=True)]
     rows = []
-    for i, p in live:
+    for i, p in enumerate(params):  # one pass: a large model closes tens of thousands a step
+        param = p.param
+        if not param.requires_grad:
+            continue
         seen = received.get(i)
-        grad = p.param.grad
+        grad = param.grad
         sq = None
         if isinstance(seen, ParamGrad):
             if grad is None:
@@ -182,5 +207,24 @@ def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad | 
                 sq = seen.sq
         elif grad is None:
             grad = seen  # held by the hook: zero_grad(set_to_none=True) came before step()
-        rows.append(ParamRow(p.layer, p.tensor, depth_of(p), grad, sq, p.keep, p.sharded))
+        row = p.row
+        row.depth = p.depth if p.depth >= 0 else depth_of(p)
+        row.grad = grad
+        row.sq = sq
+        rows.append(row)
     return rows
+
+
+def _fill(p: TorchParam, depth_of: Callable[[TorchParam], int], grad: Tensor | None,
+          sq: Tensor | None) -> ParamRow:
+    row = p.row
+    row.depth = p.depth if p.depth >= 0 else depth_of(p)
+    row.grad = grad
+    row.sq = sq
+    return row
+
+
+def release_rows(rows: Sequence[ParamRow]) -> None:
+    """Let go of the gradients a step's rows held (they outlive the step)."""
+    for row in rows:
+        row.grad = row.sq = None

@@ -104,9 +104,9 @@ class SmallGrads:
             group = self._groups[key] = StagedGroup(key)
         return group
 
-    def reduce(self) -> dict[GroupKey, GroupStats]:
+    def reduce(self) -> dict[StagedGroup, GroupStats]:
         """The statistics of every group used in this step."""
-        return {key: group.reduce() for key, group in self._groups.items() if group.used}
+        return {group: group.reduce() for group in self._groups.values() if group.used}
 
     def clear(self) -> None:
         """Start the next step; the buffers are kept for reuse."""
