@@ -139,6 +139,8 @@ class TensorFlowAdapter(BaseAdapter):
         self._fused_calls: dict[tuple[tuple[bool, ...], bool], Any] = {}
         self._recording_var: tf.Variable | None = None
         self._full_var: tf.Variable | None = None  # the tier of the next step, for graphs
+        # What the two hold: an eager assign is an op dispatch, skipped when nothing changes.
+        self._recording_now = self._full_now = True
         self._scale: LossScale | None = None  # the loss scaling of the bound optimizer
         self._ops: OpCapture | None = None  # op-level capture (ops=True, escalate=True)
         if self._index is not None:
@@ -606,8 +608,10 @@ class TensorFlowAdapter(BaseAdapter):
             return result
         finally:
             self._eager_calls.clear()
-            if self._recording_var is not None:
-                self._recording_var.assign((step + 1) % self._options.every == 0)
+            recording = (step + 1) % self._options.every == 0
+            if self._recording_var is not None and recording != self._recording_now:
+                self._recording_var.assign(recording)
+                self._recording_now = recording
 
     def _op_events(self, step: int, result: StepResult) -> None:
         """Add the op-level events of the step, where the Watcher asked for them; under
@@ -662,8 +666,9 @@ class TensorFlowAdapter(BaseAdapter):
 
     def next_step_full(self, full: bool) -> None:
         """Set the tier that the next step's compiled graphs read."""
-        if self._full_var is not None:
+        if self._full_var is not None and full != self._full_now:
             self._full_var.assign(full)
+            self._full_now = full
 
     def _param_depth(self, param: Param) -> int:
         return self._depth_of(param.chain)

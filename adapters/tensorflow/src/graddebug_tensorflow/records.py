@@ -10,7 +10,7 @@ import numpy as np
 
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import keep_label
-from graddebug.records import Event, EventKind, Kind, Record
+from graddebug.records import Event, EventKind, Kind, Record, sums_record
 from graddebug_tensorflow.buffers import ScalerCol
 from graddebug_tensorflow.params import UNMEASURED
 from graddebug_tensorflow.stats import NOT_MEASURED, Col
@@ -127,7 +127,7 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
         depth: The depth of a parameter's layer.
     """
     source = source or handed_over(rows, len(params))
-    for p, row in zip(params, rows, strict=False):
+    for p, row in zip(params, rows.tolist(), strict=False):  # Python floats: no numpy scalars
         if row[0] >= UNMEASURED:
             continue  # present, not read inside a graph (a batch norm's: see ParamSet)
         if row[0] <= 0:
@@ -135,18 +135,13 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
                 result.events.append(Event(step, p.layer, p.tensor, depth(p),
                                            EventKind.NO_GRAD.value))
             continue
-        sq, total, absmax = float(row[1]), float(row[2]), float(row[3])
+        _, sq, total, absmax = row
         if p.shape is None:  # a variable's shape is fixed: its text and size, once
             shape = tuple(int(d) for d in p.var.shape)
             p.shape = (str(shape), int(np.prod(shape, dtype=np.int64)))
-        result.records.append(Record.from_sums(
+        result.records.append(sums_record(
             step, p.layer, p.tensor, _PARAMETER, depth(p), p.shape[0], p.shape[1],
-            norm=math.sqrt(sq) if sq >= 0 else math.nan,
-            total=total,
-            absmax=absmax,
-            zero_frac=math.nan,
-            nan=math.isnan(sq),
-            inf=math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sq),
-        ))
+            math.sqrt(sq) if sq >= 0 else math.nan, total, absmax, math.nan, math.isnan(sq),
+            math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sq)))
         if p.keep_var is not None:
             result.kept[keep_label(p.layer, p.tensor)] = p.keep_var.numpy().copy()
