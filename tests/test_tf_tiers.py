@@ -123,3 +123,23 @@ def test_a_nan_on_a_sentinel_step_is_flagged_and_makes_the_next_step_full() -> N
     assert full_steps(rows) == [0, 4]
     assert rows.loc[rows["step"] == 3, "nan"].all()  # NaN reached every layer's output
     assert not rows.loc[rows["step"] != 3, "nan"].any()
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_watcher_entered_again_goes_on_with_the_same_tiers(every: int) -> None:
+    """The graph reads the next step's tier (and, with ``every=``, whether it is recorded) from
+    variables made when the Watcher is entered: entered again at step 5, it goes on from there."""
+    batches = data()
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=LOSS)
+    x = np.concatenate([b[0] for b in batches])
+    y = np.concatenate([b[1] for b in batches])
+    dbg = graddebug.Watcher(model, every=every)
+    for part in (slice(0, 40), slice(40, None)):  # steps 0-4, then 5-11
+        with dbg:
+            model.fit(x[part], y[part], batch_size=8, shuffle=False, verbose=0,
+                      callbacks=[dbg.callback()])
+    rows = activations(dbg)
+    recorded = list(range(0, STEPS, every))
+    assert sorted(set(rows["step"])) == recorded
+    assert full_steps(rows) == ([0, 10] if every == 1 else recorded)

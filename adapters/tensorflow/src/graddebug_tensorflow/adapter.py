@@ -175,10 +175,14 @@ class TensorFlowAdapter(BaseAdapter):
     def attach(self) -> None:
         """Wrap every watched layer's ``call`` and the optimizer; drop Keras' compiled
         functions so that ``fit``/``evaluate``/``predict`` trace the wrapped calls."""
+        # The next step's: a Watcher entered again goes on from where it left off.
+        self._recording_now, self._full_now = self._ctx.recording, self._ctx.full_stats
         if self._options.every > 1:
-            self._recording_var = tf.Variable(True, trainable=False, name="graddebug_recording")
+            self._recording_var = tf.Variable(self._recording_now, trainable=False,
+                                              name="graddebug_recording")
         elif self._options.full_stats_every > 1:
-            self._full_var = tf.Variable(True, trainable=False, name="graddebug_full_stats")
+            self._full_var = tf.Variable(self._full_now, trainable=False,
+                                         name="graddebug_full_stats")
         # State created now, eagerly, spares the user's tf.function a second trace.
         self._buffers.reserve(sum(layer.capture for layer in self._layers.values()))
         if self._model is not None and (self._options.ops or self._options.escalate):
