@@ -51,6 +51,7 @@ from graddebug_tensorflow.scaling import LossScale, note_step
 from graddebug_tensorflow.stats import (
     Col,
     compiled,
+    flat_entry,
     write_activation,
     write_forward,
 )
@@ -661,9 +662,8 @@ class TensorFlowAdapter(BaseAdapter):
             inputs = [g for g in grads if g is not None]
             if scale is not None:
                 inputs.append(scale)
-            call_flat = getattr(traced, "_call_flat", None)
-            flat = (call_flat(inputs, traced.captured_inputs) if call_flat is not None
-                    else traced(grads, scale))
+            entry = flat_entry(traced)
+            flat = entry(inputs) if entry is not None else traced(grads, scale)
         else:
             flat = self._fused_close(grads, scale)
         return self._buffers.unpack(None if flat is None else flat.numpy())

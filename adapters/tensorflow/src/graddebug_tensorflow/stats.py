@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -26,6 +27,7 @@ __all__ = [
     "activation_row",
     "apply_intervention",
     "compiled",
+    "flat_entry",
     "forward_row",
     "param_row",
     "square_sum",
@@ -217,6 +219,16 @@ def compiled(function: Any) -> Any:
 
     run.__name__ = run.__qualname__ = f"graddebug_{function.__name__}"
     return tf.function(run, reduce_retracing=True, autograph=False)
+
+
+def flat_entry(traced: Any) -> Callable[[list[Any]], Any] | None:
+    """Call a concrete function with its flat inputs (every tensor argument, in order),
+    without matching the arguments to a trace again: a few hundred microseconds less per call
+    than calling the ``tf.function``. None where this TF lacks the private entry point."""
+    call_flat = getattr(traced, "_call_flat", None)
+    if call_flat is None:
+        return None
+    return lambda inputs: call_flat(inputs, traced.captured_inputs)
 
 
 class _OwnRetracing(logging.Filter):
