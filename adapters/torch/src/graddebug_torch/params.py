@@ -207,16 +207,13 @@ def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad | 
                 sq = seen.sq
         elif grad is None:
             grad = seen  # held by the hook: zero_grad(set_to_none=True) came before step()
-        row = p.row
-        row.depth = p.depth if p.depth >= 0 else depth_of(p)
-        row.grad = grad
-        row.sq = sq
-        rows.append(row)
+        rows.append(_fill(p, depth_of, grad, sq))
     return rows
 
 
 def _fill(p: TorchParam, depth_of: Callable[[TorchParam], int], grad: Tensor | None,
           sq: Tensor | None) -> ParamRow:
+    """``p``'s row, filled in for this step's close."""
     row = p.row
     row.depth = p.depth if p.depth >= 0 else depth_of(p)
     row.grad = grad
