@@ -171,3 +171,17 @@ def test_strict_raises_the_bug(monkeypatch) -> None:
         model(torch.randn(2, 32)).sum().backward()
     assert isinstance(info.value.__cause__, ZeroDivisionError)
     assert hook_free(model)
+
+
+def test_a_lazy_module_not_yet_run_is_refused_and_watched_once_initialized() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"'0\.weight'.*LazyLinear.*once on a batch"):
+        graddebug.watch(model).__enter__()
+    x = torch.randn(3, 5)
+    model(x)  # materializes the lazy parameters
+    with graddebug.watch(model) as dbg:
+        model(x).sum().backward()
+        dbg.step()
+    rows = dbg.frame().query("kind == 'parameter'").set_index(["layer", "tensor"])["norm"]
+    assert rows[("0", "weight")] == pytest.approx(model[0].weight.grad.norm().item(), rel=1e-6)

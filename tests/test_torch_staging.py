@@ -114,10 +114,12 @@ def test_parameter_norms_hold_after_a_parameter_changes_under_watch(change):
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
         loss.backward()
         dbg.step()
-    rows = dbg.frame().query("kind == 'parameter'").set_index(["layer", "tensor"])["norm"]
+    rows = dbg.frame().query("kind == 'parameter'").set_index(["layer", "tensor"])
     names = [name.rsplit(".", 1) for name, _ in model.named_parameters()]
     for (layer, tensor), grad in zip(names, grads, strict=True):
-        assert rows[(layer, tensor)] == pytest.approx(grad.double().norm().item(), rel=1e-6)
+        row = rows.loc[(layer, tensor)]
+        assert row["norm"] == pytest.approx(grad.double().norm().item(), rel=1e-6)
+        assert row["shape"] == str(tuple(grad.shape))
 
 
 def test_a_closed_step_holds_no_parameter_gradient():

@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from graddebug.errors import ConfigError, GradientCountError
 from graddebug_torch.sharded import is_sharded
 from graddebug_torch.staging import SMALL_NUMEL
-from graddebug_torch.step import ParamGrad, ParamRow, shape_text
+from graddebug_torch.step import ParamGrad, ParamRow
 from graddebug_torch.wrappers import clean_name
 
 __all__ = ["TorchParam", "ancestors", "check_optimizer", "given_params", "model_params",
@@ -45,8 +46,7 @@ class TorchParam:
     """Its row at each step's close (see :class:`~graddebug_torch.step.ParamRow`)."""
 
     def __post_init__(self) -> None:
-        self.row = ParamRow(self.layer, self.tensor, -1, None, None, self.keep, self.sharded,
-                            shape_text(self.param.shape), self.param.numel())
+        self.row = ParamRow(self.layer, self.tensor, -1, None, None, self.keep, self.sharded)
 
 
 def ancestors(qualified: str) -> Iterator[str]:
@@ -68,11 +68,18 @@ def model_params(model: nn.Module, name_of: Callable[[str], str],
     """
     out = []
     for pname, param in model.named_parameters():
-        owner, _, short = pname.rpartition(".")
-        owner = clean_name(owner)
+        path, _, short = pname.rpartition(".")
+        owner = clean_name(path)
         chain = tuple(ancestors(owner))
         if chosen is not None and not any(name in chosen for name in chain):
             continue
+        if is_lazy(param):
+            raise ConfigError(
+                f"parameter {pname!r} is not initialized yet (a lazy module such as "
+                f"{type(model.get_submodule(path)).__name__} makes its parameters at its "
+                "first forward); call the model once on a batch before watch(model), so that "
+                "graddebug can hook every parameter."
+            )
         layer = name_of(owner)
         out.append(TorchParam(layer, short, param, chain, keep=layer in keep,
                               sharded=is_sharded(param)))

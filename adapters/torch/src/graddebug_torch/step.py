@@ -90,10 +90,9 @@ class ParamRow:
 
     One row per parameter lives as long as the adapter: each close fills in ``depth``, ``grad``
     and ``sq`` and empties them after (:func:`graddebug_torch.params.param_rows`), so that a
-    model of many small layers allocates no object per parameter and step. ``shape`` and
-    ``numel`` are the parameter's, which a dense gradient shares; ``group`` numbers the small
-    parameters of one shape, dtype and device (-1 for the others), whose norms are taken in
-    one batched pass.
+    model of many small layers allocates no object per parameter and step. ``group`` numbers
+    the small parameters of one shape, dtype and device (-1 for the others), whose norms are
+    taken in one batched pass.
     """
 
     layer: str
@@ -103,8 +102,6 @@ class ParamRow:
     sq: Tensor | None
     keep: bool
     sharded: bool = False
-    shape: str = ""
-    numel: int = 0
     group: int = -1
 
 
@@ -470,8 +467,8 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
             records.append(_param_record(step, p, _dense(grad), norm, extra))
         else:  # the usual row, built inline: a large model has tens of thousands a step
             records.append(new_row(Record, (
-                step, p.layer, p.tensor, _PARAMETER, p.depth, p.shape, p.numel, norm, nan, nan,
-                nan, nan, False, False, nan, 0)))
+                step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
+                grad.numel(), norm, nan, nan, nan, nan, False, False, nan, 0)))
     if broken:  # every rank sees the same combined norms, so all of them come here together
         flags = nonfinite_flags([g for _, g, _, _ in broken], on_bug or _ignore)
         for (p, grad, norm, extra), pair in zip(broken, flags, strict=True):
