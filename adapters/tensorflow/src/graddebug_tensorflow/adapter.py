@@ -137,7 +137,8 @@ class TensorFlowAdapter(BaseAdapter):
         self._eager_calls: dict[tuple[str, str, int], int] = {}
         self._peeked: Rows | None = None  # see has_pending(closing=True)
         self._fused_close: Any = None  # see _close_given
-        self._fused_calls: dict[tuple[tuple[bool, ...], bool], Any] = {}
+        # the fused close's concrete function and flat entry point, by which gradients are None
+        self._fused_calls: dict[tuple[tuple[bool, ...], bool], tuple[Any, Any]] = {}
         self._recording_var: tf.Variable | None = None
         self._full_var: tf.Variable | None = None  # the tier of the next step, for graphs
         # What the two hold: an eager assign is an op dispatch, skipped when nothing changes.
@@ -655,14 +656,14 @@ class TensorFlowAdapter(BaseAdapter):
             # function is called with its flat inputs, without matching the arguments to a
             # trace again (about 2 ms a step for a few dozen gradients).
             key = (tuple(g is None for g in grads), scale is None)
-            traced = self._fused_calls.get(key)
-            if traced is None:
-                traced = self._fused_calls[key] = self._fused_close.get_concrete_function(
-                    grads, scale)
+            found = self._fused_calls.get(key)
+            if found is None:
+                traced = self._fused_close.get_concrete_function(grads, scale)
+                found = self._fused_calls[key] = (traced, flat_entry(traced))
+            traced, entry = found
             inputs = [g for g in grads if g is not None]
             if scale is not None:
                 inputs.append(scale)
-            entry = flat_entry(traced)
             flat = entry(inputs) if entry is not None else traced(grads, scale)
         else:
             flat = self._fused_close(grads, scale)

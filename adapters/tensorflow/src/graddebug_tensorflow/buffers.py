@@ -223,7 +223,6 @@ class StateBuffers:
                 copy.assign(tf.zeros_like(copy))
 
 
-
 def _no_args(function: Any) -> Callable[[], Any]:
     """A ``tf.function`` of no arguments, traced now, as a call by its flat entry point."""
     traced = function.get_concrete_function()
