@@ -71,7 +71,10 @@ def test_eager_steps_measure_norm_and_mean_and_extremes_on_full_steps() -> None:
         for _, row in rows[rows["step"] == step].iterrows():
             g = expected[row["layer"]]
             assert row["norm"] == pytest.approx(np.linalg.norm(g), rel=1e-5)
-            assert row["mean"] == pytest.approx(g.mean(), rel=1e-4, abs=1e-9)
+            # The logits' gradient (softmax minus one-hot) sums to zero in every row, so its
+            # mean is float32 rounding alone, whose size follows the entries' (and the CPU's
+            # summation order), not a fixed absolute bound.
+            assert row["mean"] == pytest.approx(g.mean(), rel=1e-4, abs=1e-6 * np.abs(g).max())
             assert not row["nan"] and not row["inf"]
             if step in (0, 10):
                 assert row["absmax"] == pytest.approx(np.abs(g).max(), rel=1e-6)
