@@ -429,14 +429,17 @@ class TorchAdapter(BaseAdapter):
                             ctx.warn_once("compiled-value-flow",
                                           UNJUDGED_WARNING.format(layer=layer.name))
             return
-        flow = self._flows.finished(module)
+        if not ctx.recording:  # a step every= skips: nothing to do but interventions
+            if layer.intervention is not None and not transform_running():
+                self._intervene_outputs(layer, output)
+            return
+        flow = self._flows.finished(module)  # left unread on skipped steps: replaced per call
         if transform_running():
             self._skip_transformed()
             return
-        if not ctx.recording or not torch.is_grad_enabled():
-            if layer.intervention is not None:  # keep unrecorded steps free of work otherwise
-                for _, tensor in flatten(output):
-                    self._intervene_unrecorded(tensor, layer.intervention, layer.name)
+        if not torch.is_grad_enabled():
+            if layer.intervention is not None:
+                self._intervene_outputs(layer, output)
             return
         with self._fail_open(layer.name):
             if layer.depth < 0:
@@ -473,6 +476,11 @@ class TorchAdapter(BaseAdapter):
         if hook is None:  # one per output, reused every step
             hook = self._grad_hooks[key] = functools.partial(self._on_grad, layer, tname)
         state.hooks.add(tensor, hook)
+
+    def _intervene_outputs(self, layer: LayerSpec, output: Any) -> None:
+        """Set the interventions of ``layer`` on an output that is not recorded."""
+        for _, tensor in flatten(output):
+            self._intervene_unrecorded(tensor, layer.intervention, layer.name)
 
     def _intervene_unrecorded(self, tensor: Tensor, spec: Intervention | None,
                               name: str) -> None:
