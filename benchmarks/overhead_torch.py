@@ -16,7 +16,9 @@ a plain round then runs with no graddebug hook installed at all, and the one-off
 and leaving (attaching and removing hooks) is timed separately, not charged to the steps, because
 a real run enters once for thousands of steps. The ratio of a round is its watched time over the
 plain time of the same pair, where a round's time is the median of its steps, each timed on its
-own; the table quotes the median of these ratios over rounds.
+own; the table quotes the median of these ratios over rounds. Config (c) records one step in 10,
+which a round's median would hide: its ratio compares the mean over the positions of a round of
+each position's median step time over the rounds (``position_ratio``), watched over plain.
 
 With ``--compile`` both sides run ``torch.compile``d models, and the script also counts the graph
 breaks and compiled graphs of a few steps, plain and under each config, each from a clean dynamo
@@ -187,7 +189,8 @@ class Result:
         target: The ratio the config must stay under.
         plain_ms: Median over the rounds paired with this config of the plain step time (ms).
         watched_ms: Median over rounds of the watched step time (ms).
-        ratio: Median over rounds of (watched / plain) step time.
+        ratio: Median over rounds of (watched / plain) step time; with ``every=N``, the
+            ratio of the mean per-step costs of :func:`position_ratio`.
         ratio_q1: First quartile of the per-round ratios.
         ratio_q3: Third quartile of the per-round ratios.
         ratio_best: Fastest watched round over fastest plain round; on a busy machine it shows
@@ -198,7 +201,10 @@ class Result:
         enter_exit_ms: Median time to enter and leave the ``with`` block (not in the ratio).
         round_ratios: Every round's ratio, in round order.
         plain_round_ms: Every plain round's median step time (ms).
-        watched_round_ms: Every watched round's median step time (ms).
+        watched_round_ms: Every watched round's median step time (ms); with ``every=N``,
+            the rounds' means (ms).
+        plain_steps_ms: Every plain step's time (ms), per round.
+        watched_steps_ms: Every watched step's time (ms), per round.
         compiled: Both sides ran under ``torch.compile``.
         graph_breaks_plain: Graph breaks over the census steps of the plain compiled model
             (-1 when not compiled).
@@ -224,6 +230,8 @@ class Result:
     round_ratios: list[float] = field(default_factory=list)
     plain_round_ms: list[float] = field(default_factory=list)
     watched_round_ms: list[float] = field(default_factory=list)
+    plain_steps_ms: list[list[float]] = field(default_factory=list)
+    watched_steps_ms: list[list[float]] = field(default_factory=list)
     compiled: bool = False
     graph_breaks_plain: int = -1
     graph_breaks_watched: int = -1
@@ -437,21 +445,15 @@ def train_step(work: Workload, dbg: Watcher | None) -> None:
     work.optimizer.step()
 
 
-def time_steps(work: Workload, steps: int, dbg: Watcher | None, device: torch.device,
-               mean: bool = False) -> float:
-    """Time ``steps`` consecutive training steps one by one; return the median, in seconds.
-
-    The median of the round, not its mean, so that a burst of load from elsewhere on a shared
-    machine that hits one or two steps does not decide the round. With ``every=N`` only one
-    step in N is recorded, and a median would hide it: such configs pass ``mean=True`` (for
-    both sides of the pair) and a round of a multiple of N steps.
+def step_times(work: Workload, steps: int, dbg: Watcher | None,
+               device: torch.device) -> list[float]:
+    """Time ``steps`` consecutive training steps one by one; return their times, in seconds.
 
     Args:
         work: The workload to train.
         steps: How many steps the round has.
         dbg: An entered watcher, or None for plain steps.
         device: The workload's device, synchronised around every step.
-        mean: Return the mean instead of the median.
     """
     # Collect leftovers from the previous round outside the clock; collections the round itself
     # triggers stay in, because they are part of its cost.
@@ -463,12 +465,37 @@ def time_steps(work: Workload, steps: int, dbg: Watcher | None, device: torch.de
         train_step(work, dbg)
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.fmean(times) if mean else statistics.median(times)
+    return times
 
 
-def time_watched(
-    work: Workload, steps: int, watcher: Watcher, device: torch.device, mean: bool = False
-) -> tuple[float, float]:
+def time_steps(work: Workload, steps: int, dbg: Watcher | None, device: torch.device) -> float:
+    """The median of :func:`step_times`, so that a burst of load from elsewhere on a shared
+    machine that hits one or two steps does not decide the round."""
+    return statistics.median(step_times(work, steps, dbg, device))
+
+
+def position_ratio(watched: Sequence[Sequence[float]], plain: Sequence[Sequence[float]]) -> float:
+    """Watched over plain per-step cost of rounds where only some steps are recorded.
+
+    With ``every=N`` one step in N is recorded, at the same position of each round (rounds
+    hold a multiple of N steps and start on a recorded step), so the median of a round would
+    hide it and its mean is decided by the one or two steps that load from elsewhere slowed
+    down. Each position of the round takes the median of its times over the rounds instead,
+    which keeps what graddebug does at that position (the recorded step, the step after it)
+    and drops the bursts; the cost per step is the mean of these medians, on both sides alike.
+
+    Args:
+        watched: Per round, every watched step's time, in order.
+        plain: Per round, every plain step's time, in order (the same number of steps).
+    """
+    def per_step(rounds: Sequence[Sequence[float]]) -> float:
+        return statistics.fmean(statistics.median(at) for at in zip(*rounds, strict=True))
+
+    return per_step(watched) / per_step(plain)
+
+
+def time_watched(work: Workload, steps: int, watcher: Watcher, device: torch.device
+                 ) -> tuple[list[float], float]:
     """Enter ``watcher``, time a round of watched steps, leave it.
 
     Args:
@@ -478,7 +505,7 @@ def time_watched(
         device: The workload's device.
 
     Returns:
-        The median seconds per watched step, and the seconds spent entering plus leaving.
+        Every watched step's time, in seconds, and the seconds spent entering plus leaving.
 
     Raises:
         RuntimeError: graddebug left a hook on the model, so later plain rounds would be unfair.
@@ -486,11 +513,11 @@ def time_watched(
     start = time.perf_counter()
     with watcher as dbg:
         entered = time.perf_counter()
-        per_step = time_steps(work, steps, dbg, device, mean)
+        times = step_times(work, steps, dbg, device)
         leaving = time.perf_counter()
     enter_exit = (entered - start) + (time.perf_counter() - leaving)
     _check_no_hooks(work.model)
-    return per_step, enter_exit
+    return times, enter_exit
 
 
 def _check_no_hooks(model: nn.Module) -> None:
@@ -558,20 +585,23 @@ def benchmark_workload(
     for r in range(-warmup, rounds):
         for config in configs:
             watcher = watchers[config.key]
-            mean = watcher.every > 1  # a median would hide the one recorded step in N
             # Flip the order every round so that drift favours neither side.
             if r % 2 == 0:
-                plain = time_steps(plain_work, steps, None, device, mean)
-                watched, enter = time_watched(watched_work, steps, watcher, device, mean)
+                plain = step_times(plain_work, steps, None, device)
+                watched, enter = time_watched(watched_work, steps, watcher, device)
             else:
-                watched, enter = time_watched(watched_work, steps, watcher, device, mean)
-                plain = time_steps(plain_work, steps, None, device, mean)
+                watched, enter = time_watched(watched_work, steps, watcher, device)
+                plain = step_times(plain_work, steps, None, device)
             if r < 0:
                 continue
             res = results[config.key]
-            res.plain_round_ms.append(plain * 1e3)
-            res.watched_round_ms.append(watched * 1e3)
-            res.round_ratios.append(watched / plain)
+            # A median would hide the one recorded step in N: every= rounds show their mean.
+            summary = statistics.fmean if watcher.every > 1 else statistics.median
+            res.plain_round_ms.append(summary(plain) * 1e3)
+            res.watched_round_ms.append(summary(watched) * 1e3)
+            res.round_ratios.append(res.watched_round_ms[-1] / res.plain_round_ms[-1])
+            res.plain_steps_ms.append([t * 1e3 for t in plain])
+            res.watched_steps_ms.append([t * 1e3 for t in watched])
             enter_exit[config.key].append(enter * 1e3)
         if r >= 0:
             line = "  ".join(
@@ -585,7 +615,8 @@ def benchmark_workload(
         recorded_steps = (warmup + rounds) * steps
         res.plain_ms = statistics.median(res.plain_round_ms)
         res.watched_ms = statistics.median(res.watched_round_ms)
-        res.ratio = statistics.median(res.round_ratios)
+        res.ratio = (position_ratio(res.watched_steps_ms, res.plain_steps_ms)
+                     if watcher.every > 1 else statistics.median(res.round_ratios))
         res.ratio_q1, res.ratio_q3 = _quartiles(res.round_ratios)
         res.ratio_best = min(res.watched_round_ms) / min(res.plain_round_ms)
         res.passed = res.ratio <= config.target
@@ -673,8 +704,10 @@ def write_json(path: Path, results: Sequence[Result], settings: dict[str, Any]) 
     payload = {
         "benchmark": "overhead_torch",
         "method": "median over rounds of watched/plain step time, a round's time being the "
-                  "median of its steps; rounds interleaved, order flipped every round; "
-                  "enter/exit of the with block not in the steps",
+                  "median of its steps (with every=N: the mean over positions in the round of "
+                  "each position's median step time over the rounds, on both sides); rounds "
+                  "interleaved, order flipped every round; enter/exit of the with block not in "
+                  "the steps",
         "settings": settings,
         "environment": environment(),
         "results": [asdict(r) for r in results],
@@ -852,6 +885,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.config_list = [c for c in CONFIGS if c.key in keys]
     if len(args.config_list) != len(keys):
         parser.error(f"--configs {args.configs!r}: choose from a,b,c,o,d,f")
+    for config in args.config_list:
+        every = config.options.get("every", 1)
+        if args.steps_per_round % every and not args.profile:
+            parser.error(f"--steps-per-round {args.steps_per_round}: {config.label} records one "
+                         f"step in {every}, so a round must hold a multiple of {every} steps")
     return args
 
 
