@@ -19,6 +19,8 @@ It measures:
   only), ``SGD.step()``; plain and watched rounds are interleaved and alternate in order, a
   round's time is the median of its steps, and the ratio is the median over rounds of watched
   over plain from the same pair;
+- the same ratio for steps that ``every=`` skips: a third round in each pair, under a Watcher
+  with ``every=10**9`` that recorded its first step in the warm-up round and none after;
 - ``frame()`` and ``findings()`` of the recorded run, about ``3 * layers`` rows a step (one
   activation and two parameters per layer), built from scratch, after ``--frame-steps`` steps
   (default: enough for 100,000 rows).
@@ -67,6 +69,8 @@ class Result:
         watched_ms: Median watched step time (ms).
         ratio: Median over rounds of the per-round ratio watched / plain.
         round_ratios: Every round's ratio.
+        skipped_ms: Median time of a step ``every=`` skips (ms).
+        skipped_ratio: Median over rounds of the per-round ratio skipped / plain.
         rows: Rows of the frame that ``frame()`` built.
         frame_s: Time of ``frame()`` (built from the buffer, not cached).
         findings_s: Time of ``findings()`` right after (diagnosis of the whole run).
@@ -79,6 +83,8 @@ class Result:
     watched_ms: float = 0.0
     ratio: float = 0.0
     round_ratios: list[float] = field(default_factory=list)
+    skipped_ms: float = 0.0
+    skipped_ratio: float = 0.0
     rows: int = 0
     frame_s: float = 0.0
     findings_s: float = 0.0
@@ -116,7 +122,8 @@ def measure(layers: int, rounds: int, steps: int, frame_steps: int,
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     result = Result(layers)
     attach = []
-    plain_rounds, watched_rounds = [], []
+    plain_rounds, watched_rounds, skipped_rounds = [], [], []
+    skipper = graddebug.watch(model, every=10**9)  # records step 0 (warm-up) only
     for r in range(rounds + 1):  # round 0 warms up
         def plain() -> None:
             plain_rounds.append(statistics.median(
@@ -131,13 +138,22 @@ def measure(layers: int, rounds: int, steps: int, frame_steps: int,
             attach.append(attached + time.perf_counter() - start)
             watched_rounds.append(statistics.median(times))
 
-        for run in ((plain, watched) if r % 2 == 0 else (watched, plain)):
+        def skipped() -> None:
+            with skipper as dbg:
+                skipped_rounds.append(statistics.median(
+                    _step(model, opt, x, y, dbg) for _ in range(steps)))
+
+        for run in ((plain, watched, skipped) if r % 2 == 0 else (skipped, watched, plain)):
             run()
         if r == 0:
             plain_rounds.clear()
             watched_rounds.clear()
+            skipped_rounds.clear()
             attach.clear()
     ratios = [w / p for w, p in zip(watched_rounds, plain_rounds, strict=True)]
+    result.skipped_ms = statistics.median(skipped_rounds) * 1e3
+    result.skipped_ratio = statistics.median(
+        s / p for s, p in zip(skipped_rounds, plain_rounds, strict=True))
     result.attach_s = statistics.median(attach)
     result.plain_ms = statistics.median(plain_rounds) * 1e3
     result.watched_ms = statistics.median(watched_rounds) * 1e3
@@ -169,6 +185,8 @@ def _table(result: Result) -> Table:
     table.add_row("watched step", f"{result.watched_ms:.1f} ms", "")
     table.add_row("step ratio (median of rounds)", f"{result.ratio:.2f}x",
                   f"<= {STEP_TARGET:.1f}x")
+    table.add_row("step every= skips", f"{result.skipped_ms:.1f} ms", "")
+    table.add_row("its ratio to plain (median of rounds)", f"{result.skipped_ratio:.2f}x", "")
     table.add_row(f"frame() of {result.rows:,} rows", f"{result.frame_s:.3f} s", "")
     table.add_row("findings() right after", f"{result.findings_s:.3f} s", "")
     table.add_row("frame() + findings()", f"{result.frame_s + result.findings_s:.3f} s",

@@ -482,3 +482,29 @@ def test_compiled_training_is_bitwise_identical_with_and_without_watch():
     for a, b in zip(model.parameters(), watched.parameters(), strict=True):
         assert torch.equal(a, b)
 
+
+
+def test_a_graph_compiled_on_a_skipped_step_keeps_graddebugs_hooks():
+    # Parked on the steps every= skips, the forward hooks would be missing from a graph traced
+    # then (here a recompile for a new batch size) and so from the recorded steps that reuse it.
+    model, _ = _mlp()
+    reference = copy.deepcopy(model)
+    sizes = [4, 3, 3, 5, 5]
+
+    def run(net: nn.Module, call: Callable[[torch.Tensor], torch.Tensor]) -> pd.DataFrame:
+        torch.manual_seed(1)
+        inputs = [torch.randn(n, 8) for n in sizes]
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        with graddebug.watch(net, every=2) as dbg:
+            for x in inputs:
+                opt.zero_grad(set_to_none=True)
+                call(x).square().mean().backward()
+                dbg.step()
+                opt.step()
+        return dbg.frame()
+
+    eager = run(reference, reference)
+    compiled = run(model, torch.compile(model, backend="aot_eager"))
+    assert counters["stats"]["unique_graphs"] >= 2  # traced again on skipped step 1
+    assert sorted(compiled.query("kind == 'activation'")["step"].unique()) == [0, 2, 4]
+    assert_same_frame(eager, compiled)

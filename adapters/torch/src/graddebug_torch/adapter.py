@@ -59,6 +59,7 @@ from graddebug_torch.params import (
     param_rows,
     release_rows,
 )
+from graddebug_torch.parking import HookParking
 from graddebug_torch.scaler import LossScaling
 from graddebug_torch.sharded import is_sharded, reduce_sharded
 from graddebug_torch.staging import SMALL_NUMEL, SmallGrads
@@ -131,6 +132,10 @@ class TorchAdapter(BaseAdapter):
         self._grad_hooks: dict[tuple[str, str], Callable[[Tensor], Tensor | None]] = {}
         self._was_training: bool | None = None
         self._flows = ValueFlows()
+        # Forward hooks taken off the modules on the steps every= skips; _parks says whether
+        # that may be done (not once a compiled graph has called back from them).
+        self._parking = HookParking()
+        self._parks = False
         # Per sharded parameter (by index), its gradient's identity and version when the last
         # step closed: FSDP2 may set .grad without running the post-accumulate hooks.
         self._sharded_marks: dict[int, tuple[int, int] | None] = {}
@@ -199,13 +204,17 @@ class TorchAdapter(BaseAdapter):
                            else "params")
         if self._model is not None:
             self._was_training = self._model.training
+        parking = self._parking
         for name, module in self._modules.items():
-            hook = functools.partial(self._on_forward, self._layers[name])
-            self._handles.append(module.register_forward_hook(hook))
+            layer = self._layers[name]
+            handles = [module.register_forward_hook(functools.partial(self._on_forward, layer))]
             if needs_value_flow(module):
-                self._handles += self._flows.follow(
+                handles += self._flows.follow(
                     module, lambda: self._ctx.recording and torch.is_grad_enabled(),
                     functools.partial(self._fail_open, name))
+            self._handles += handles
+            if layer.intervention is None:  # interventions act on every step
+                parking.add(module, handles)
         for index, param in enumerate(self._params):
             if param.param.requires_grad:
                 # A gradient that is only held (small, or of a multi-rank run) takes the
@@ -217,13 +226,19 @@ class TorchAdapter(BaseAdapter):
                                       index)))
         # A compiled model traces the root module's hooks into its graph, and a graph must
         # serve the next Watcher too: the collector is left alone in its forward pass.
-        if (self._root is not None and self._modules and not compiled(
-                self._model if self._model is not None else self._root)):
-            self._handles += [
-                self._root.register_forward_pre_hook(self._forward_begins),
-                self._root.register_forward_hook(self._forward_ends, always_call=True)]
+        target = self._model if self._model is not None else self._root
+        runs_compiled = target is not None and compiled(target)
+        if self._root is not None and self._modules and not runs_compiled:
+            collector = [self._root.register_forward_pre_hook(self._forward_begins),
+                         self._root.register_forward_hook(self._forward_ends, always_call=True)]
+            self._handles += collector
+            parking.add(self._root, collector)
         self._scaling.attach()
         self._ops.attach()
+        # A compiled graph keeps the hooks it was traced with, so hooks parked while dynamo
+        # traces would be missing from it on recorded steps too; op capture hooks the root.
+        self._parks = self._options.every > 1 and not runs_compiled and not self._ops.enabled
+        self._park_for(self._ctx.step_index)
 
     def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None) -> None:
         """Call ``on_step`` after each ``optimizer.step()`` (a step post-hook, removed on
@@ -248,6 +263,7 @@ class TorchAdapter(BaseAdapter):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._parking.clear()
         self._flows.clear()
         self._ops.detach()
         self._owners.release()
@@ -409,6 +425,7 @@ class TorchAdapter(BaseAdapter):
             return
         ctx = self._ctx
         if isinstance(args, Ran):  # a compiled forward, calling back as it runs
+            self._parks = False  # the hooks come back when the step closes
             if ctx.recording:
                 with self._fail_open(layer.name):
                     if layer.depth < 0:
@@ -583,6 +600,19 @@ class TorchAdapter(BaseAdapter):
             self._scaling.next_pass()
             self._mark_sharded()
             self._drop_step()
+            self._park_for(step + 1)
+
+    def _park_for(self, step: int) -> None:
+        """Park the forward hooks before a step ``every=`` skips; put them back before a
+        recorded one (see :mod:`graddebug_torch.parking`)."""
+        parking = self._parking
+        if not (self._parks or parking.parked):
+            return
+        with self._fail_open("every"):
+            if self._parks and step % self._options.every:
+                parking.park()
+            elif parking.parked:
+                parking.restore()
 
     def _mark_sharded(self) -> None:
         """Remember the sharded gradients this step closed on (see :meth:`has_pending`)."""

@@ -57,9 +57,10 @@ UNJUDGED = 4
 NO_FORWARD_WARNING = (
     "graddebug: parameter gradients arrived in step {step} but no watched layer's forward "
     "pass was seen, so the step has no layer-output rows. A model compiled with torch.compile "
-    "before watch() was entered keeps running the graph traced without graddebug's hooks: "
-    "enter watch() before the first compiled call, or call torch.compiler.reset() after "
-    "entering it. A forward pass run before watch() was entered has the same effect."
+    "before watch() was entered, or first compiled on a step that every= skips, keeps running "
+    "the graph traced without graddebug's hooks: enter watch() before the first compiled "
+    "call, or call torch.compiler.reset() after entering it. A forward pass run before "
+    "watch() was entered has the same effect."
 )
 UNJUDGED_WARNING = (
     "graddebug: {layer!r} ran inside torch.compile and returned an output that needs no "
