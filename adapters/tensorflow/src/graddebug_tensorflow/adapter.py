@@ -352,6 +352,8 @@ class TensorFlowAdapter(BaseAdapter):
         return self._watch_output(layer, output)
 
     def _watch_output(self, layer: LayerSpec, output: Any) -> Any:
+        if layer.intervention is None and not self._ctx.recording and tf.executing_eagerly():
+            return output  # an eager step every= skips: nothing to record or alter
         if dataclasses.is_dataclass(output) and not isinstance(output, type):
             return self._on_dataclass(layer, output)
         with self._fail_open(layer.name):
@@ -582,7 +584,9 @@ class TensorFlowAdapter(BaseAdapter):
             if grads is not None:  # checks the count on every step
                 grads = list(grads)
                 self._params.check_given(grads)
-                if record and self._buffers.replicas == 1:
+                if not record:  # measured for nothing: the buffers are cleared below
+                    pass
+                elif self._buffers.replicas == 1:
                     rows = self._close_given(grads, self._given_scale())
                 else:
                     self._params.store_given(grads, self._given_scale())
