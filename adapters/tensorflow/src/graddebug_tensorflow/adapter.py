@@ -584,11 +584,10 @@ class TensorFlowAdapter(BaseAdapter):
             if grads is not None:  # checks the count on every step
                 grads = list(grads)
                 self._params.check_given(grads)
-                if not record:  # measured for nothing: the buffers are cleared below
-                    pass
-                elif self._buffers.replicas == 1:
+                # A skipped step stops at the check: its buffers are cleared below, unread.
+                if record and self._buffers.replicas == 1:
                     rows = self._close_given(grads, self._given_scale())
-                else:
+                elif record:
                     self._params.store_given(grads, self._given_scale())
                 peeked = None
             if not record:
