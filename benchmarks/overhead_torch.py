@@ -11,13 +11,14 @@ A training step is ``zero_grad, forward, loss, backward, SGD step`` and, when wa
 ``dbg.step()`` right after ``backward`` (as the library documents). Plain and watched rounds run in
 one process on the same model, optimizer and batch, interleaved; the order of the two rounds of a
 pair flips every round (plain-watched, watched-plain, ...) so that slow drift of the machine
-cancels out. Each configuration builds one ``Watcher`` and enters it around every watched round:
-a plain round then runs with no graddebug hook installed at all, and the one-off cost of entering
-and leaving (attaching and removing hooks) is timed separately, not charged to the steps, because
-a real run enters once for thousands of steps. The ratio of a round is its watched time over the
-plain time of the same pair, where a round's time is the median of its steps, each timed on its
-own; the table quotes the median of these ratios over rounds. Config (c) records one step in 10,
-which a round's median would hide: its ratio compares the mean over the positions of a round of
+cancels out, and from one config to the next, so that each side of a pair follows the same side of
+the config before it. Each configuration builds one ``Watcher`` and enters it around every watched
+round: a plain round then runs with no graddebug hook installed at all, and the one-off cost of
+entering and leaving (attaching and removing hooks) is timed separately, not charged to the steps,
+because a real run enters once for thousands of steps. The ratio of a round is its watched time
+over the plain time of the same pair, where a round's time is the median of its steps, each timed
+on its own; the table quotes the median of these ratios over rounds. Config (c) records one step in
+10, which a round's median would hide: its ratio compares the mean over the positions of a round of
 each position's median step time over the rounds (``position_ratio``), watched over plain.
 
 With ``--compile`` both sides run ``torch.compile``d models, and the script also counts the graph
@@ -583,10 +584,13 @@ def benchmark_workload(
     watchers = {c.key: _watcher(watched_work.model, c) for c in configs}
     enter_exit: dict[str, list[float]] = {c.key: [] for c in configs}
     for r in range(-warmup, rounds):
-        for config in configs:
+        for i, config in enumerate(configs):
             watcher = watchers[config.key]
-            # Flip the order every round so that drift favours neither side.
-            if r % 2 == 0:
+            # Flip the order every round so that drift favours neither side, and from one
+            # config to the next, so that a config's plain round follows the plain round of the
+            # config before it and its watched round the watched one: with one order per round,
+            # every round of a config's one side came right after the other config's other side.
+            if (r + i) % 2 == 0:
                 plain = step_times(plain_work, steps, None, device)
                 watched, enter = time_watched(watched_work, steps, watcher, device)
             else:
