@@ -122,13 +122,14 @@ def test_frame_columns_follow_the_contract() -> None:
     assert list(depths.sort_values().index) == ["0", "1", "2"]  # forward order
 
 
-def test_no_observer_effect_bitwise_identical_weights() -> None:
+@pytest.mark.parametrize("every", [1, 3])  # 3: hooks taken off and put back between steps
+def test_no_observer_effect_bitwise_identical_weights(every: int) -> None:
     torch.manual_seed(0)
     base = relu_mlp(depth=4, width=32, inplace=True)
     plain, watched = copy.deepcopy(base), copy.deepcopy(base)
     data = batches(20, (16, 32))
     train(plain, data)
-    with graddebug.watch(watched) as dbg:
+    with graddebug.watch(watched, every=every) as dbg:
         train(watched, data, dbg)
     assert len(dbg.frame()) > 0
     for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values(),
