@@ -136,6 +136,8 @@ class TorchAdapter(BaseAdapter):
         # that may be done (not once a compiled graph has called back from them).
         self._parking = HookParking()
         self._parks = False
+        # Forward hooks that find nothing once their layer's depth is known (see _drop_idle).
+        self._idle: list[tuple[LayerSpec, RemovableHandle]] = []
         # Per sharded parameter (by index), its gradient's identity and version when the last
         # step closed: FSDP2 may set .grad without running the post-accumulate hooks.
         self._sharded_marks: dict[int, tuple[int, int] | None] = {}
@@ -205,9 +207,18 @@ class TorchAdapter(BaseAdapter):
         if self._model is not None:
             self._was_training = self._model.training
         parking = self._parking
+        # A compiled model traces the root module's hooks into its graph, and a graph must
+        # serve the next Watcher too: the collector is left alone in its forward pass. Dynamo
+        # guards on the module hooks, so none is removed while the watch lasts either.
+        target = self._model if self._model is not None else self._root
+        runs_compiled = target is not None and compiled(target)
         for name, module in self._modules.items():
             layer = self._layers[name]
-            handles = [module.register_forward_hook(functools.partial(self._on_forward, layer))]
+            hook = module.register_forward_hook(functools.partial(self._on_forward, layer))
+            handles = [hook]
+            if (not layer.capture and not runs_compiled
+                    and type(module).__module__.startswith("torch.")):
+                self._idle.append((layer, hook))
             if needs_value_flow(module):
                 handles += self._flows.follow(
                     module, lambda: self._ctx.recording and torch.is_grad_enabled(),
@@ -224,11 +235,9 @@ class TorchAdapter(BaseAdapter):
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
                     functools.partial(self._hold_param_grad if held else self._on_param_grad,
                                       index)))
-        # A compiled model traces the root module's hooks into its graph, and a graph must
-        # serve the next Watcher too: the collector is left alone in its forward pass.
-        target = self._model if self._model is not None else self._root
-        runs_compiled = target is not None and compiled(target)
-        if self._root is not None and self._modules and not runs_compiled:
+        # Only graddebug's per-output objects (and op capture's) are worth pausing it for.
+        makes_objects = self._ops.enabled or any(self._layers[n].capture for n in self._modules)
+        if self._root is not None and makes_objects and not runs_compiled:
             collector = [self._root.register_forward_pre_hook(self._forward_begins),
                          self._root.register_forward_hook(self._forward_ends, always_call=True)]
             self._handles += collector
@@ -263,6 +272,7 @@ class TorchAdapter(BaseAdapter):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._idle.clear()
         self._parking.clear()
         self._flows.clear()
         self._ops.detach()
@@ -426,6 +436,7 @@ class TorchAdapter(BaseAdapter):
         ctx = self._ctx
         if isinstance(args, Ran):  # a compiled forward, calling back as it runs
             self._parks = False  # the hooks come back when the step closes
+            self._idle.clear()  # and stay
             if ctx.recording:
                 with self._fail_open(layer.name):
                     if layer.depth < 0:
@@ -600,7 +611,26 @@ class TorchAdapter(BaseAdapter):
             self._scaling.next_pass()
             self._mark_sharded()
             self._drop_step()
+            if self._idle:
+                self._drop_idle()
             self._park_for(step + 1)
+
+    def _drop_idle(self) -> None:
+        """Remove the forward hooks left with nothing to do.
+
+        A layer whose outputs are not recorded (``outputs=False``) needs its forward hook for
+        two things: its depth, set at its first recorded forward, and the cut check on its
+        outputs. A module of torch's own computes from its inputs and never cuts the graph, so
+        once its depth is known its hook can find nothing; removed, it no longer sends every
+        call of the module down torch's slower path for modules with hooks.
+        """
+        idle = []
+        for layer, handle in self._idle:
+            if layer.depth >= 0:
+                handle.remove()
+            else:
+                idle.append((layer, handle))
+        self._idle = idle
 
     def _park_for(self, step: int) -> None:
         """Park the forward hooks before a step ``every=`` skips; put them back before a
