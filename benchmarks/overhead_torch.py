@@ -20,6 +20,10 @@ over the plain time of the same pair, where a round's time is the median of its 
 on its own; the table quotes the median of these ratios over rounds. Config (c) records one step in
 10, which a round's median would hide: its ratio compares the mean over the positions of a round of
 each position's median step time over the rounds (``position_ratio``), watched over plain.
+Next to each ratio the table gives its 95% bootstrap interval (the rounds resampled with
+replacement, the ratio taken again from each resample), and the result column says ``pass`` or
+``FAIL`` only when the whole interval lies on one side of the target, ``within noise`` when it
+holds the target: on a shared machine a single median moves by a few hundredths between runs.
 
 With ``--compile`` both sides run ``torch.compile``d models, and the script also counts the graph
 breaks and compiled graphs of a few steps, plain and under each config, each from a clean dynamo
@@ -41,6 +45,7 @@ import json
 import math
 import platform
 import pstats
+import random
 import statistics
 import subprocess
 import sys
@@ -66,6 +71,8 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "overhead_torch.jso
 COMPILED_JSON = DEFAULT_JSON.with_name("overhead_torch_compile.json")
 WORKLOADS: tuple[str, ...] = ("mlp", "cnn", "transformer", "resnet18", "gpt2")
 DEFAULT_WORKLOADS: tuple[str, ...] = ("mlp", "cnn", "transformer")
+BOOTSTRAP_RESAMPLES = 2000
+"""Resamples of the rounds behind each ratio's 95% interval."""
 CENSUS_STEPS = 3
 """Steps run to count graph breaks and compiled graphs (a recompile shows from the second)."""
 GRADDEBUG_DIRS: tuple[str, ...] = ("/graddebug/", "/graddebug_torch/")
@@ -194,9 +201,14 @@ class Result:
             ratio of the mean per-step costs of :func:`position_ratio`.
         ratio_q1: First quartile of the per-round ratios.
         ratio_q3: Third quartile of the per-round ratios.
+        ratio_low: Lower end of the 95% bootstrap interval of ``ratio`` (the rounds resampled
+            with replacement, ``ratio`` taken again from each resample).
+        ratio_high: Its upper end.
         ratio_best: Fastest watched round over fastest plain round; on a busy machine it shows
             the overhead with the least interference.
         passed: ``ratio <= target``.
+        verdict: ``"pass"`` when the whole interval lies under the target, ``"FAIL"`` when it
+            lies above, ``"within noise"`` when it holds the target.
         rows_per_step: Frame rows (recorded tensors) per watched step.
         findings: Findings the watcher raised over the run (a healthy model should give 0).
         enter_exit_ms: Median time to enter and leave the ``with`` block (not in the ratio).
@@ -223,8 +235,11 @@ class Result:
     ratio: float = math.nan
     ratio_q1: float = math.nan
     ratio_q3: float = math.nan
+    ratio_low: float = math.nan
+    ratio_high: float = math.nan
     ratio_best: float = math.nan
     passed: bool = False
+    verdict: str = ""
     rows_per_step: float = math.nan
     findings: int = 0
     enter_exit_ms: float = math.nan
@@ -495,6 +510,32 @@ def position_ratio(watched: Sequence[Sequence[float]], plain: Sequence[Sequence[
     return per_step(watched) / per_step(plain)
 
 
+def _estimator(res: Result, every: int) -> Callable[[Sequence[int]], float]:
+    """The ratio of ``res`` taken over the rounds at the given indices (a round may come
+    more than once): the median of their ratios, or with ``every=N`` their
+    :func:`position_ratio`."""
+    if every > 1:
+        return lambda picked: position_ratio([res.watched_steps_ms[i] for i in picked],
+                                             [res.plain_steps_ms[i] for i in picked])
+    return lambda picked: statistics.median(res.round_ratios[i] for i in picked)
+
+
+def bootstrap_interval(estimate: Callable[[Sequence[int]], float], rounds: int,
+                       seed: int = 0) -> tuple[float, float]:
+    """The 95% percentile bootstrap interval of ``estimate``: the rounds resampled with
+    replacement :data:`BOOTSTRAP_RESAMPLES` times, each plain round with its watched one.
+
+    Args:
+        estimate: The ratio over the rounds at the given indices.
+        rounds: How many rounds there are.
+        seed: The resampling's seed, so that a run's interval can be reproduced from its JSON.
+    """
+    rng = random.Random(seed)
+    values = sorted(estimate(rng.choices(range(rounds), k=rounds))
+                    for _ in range(BOOTSTRAP_RESAMPLES))
+    return values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]
+
+
 def time_watched(work: Workload, steps: int, watcher: Watcher, device: torch.device
                  ) -> tuple[list[float], float]:
     """Enter ``watcher``, time a round of watched steps, leave it.
@@ -619,11 +660,14 @@ def benchmark_workload(
         recorded_steps = (warmup + rounds) * steps
         res.plain_ms = statistics.median(res.plain_round_ms)
         res.watched_ms = statistics.median(res.watched_round_ms)
-        res.ratio = (position_ratio(res.watched_steps_ms, res.plain_steps_ms)
-                     if watcher.every > 1 else statistics.median(res.round_ratios))
+        estimate = _estimator(res, watcher.every)
+        res.ratio = estimate(range(rounds))
+        res.ratio_low, res.ratio_high = bootstrap_interval(estimate, rounds)
         res.ratio_q1, res.ratio_q3 = _quartiles(res.round_ratios)
         res.ratio_best = min(res.watched_round_ms) / min(res.plain_round_ms)
         res.passed = res.ratio <= config.target
+        res.verdict = ("pass" if res.ratio_high <= config.target else
+                       "FAIL" if res.ratio_low > config.target else "within noise")
         res.rows_per_step = len(watcher.frame()) / recorded_steps
         res.findings = len(watcher.findings())
         res.enter_exit_ms = statistics.median(enter_exit[config.key])
@@ -652,7 +696,7 @@ def results_table(results: Sequence[Result], title: str) -> Table:
     table.add_column("workload")
     table.add_column("config")
     compiled = any(res.compiled for res in results)
-    columns = ["plain ms/step", "watched ms/step", "ratio", "ratio IQR", "best/best",
+    columns = ["plain ms/step", "watched ms/step", "ratio", "95% interval", "best/best",
                "target", "rows/step"]
     if compiled:
         columns += ["breaks plain/watched", "graphs plain/watched"]
@@ -660,9 +704,10 @@ def results_table(results: Sequence[Result], title: str) -> Table:
         table.add_column(col, justify="right")
     table.add_column("result")
     for res in results:
-        verdict = "[green]pass[/green]" if res.passed else "[red]FAIL[/red]"
+        colour = {"pass": "green", "FAIL": "red"}.get(res.verdict, "yellow")
+        verdict = f"[{colour}]{res.verdict}[/{colour}]"
         cells = [res.workload, res.label, f"{res.plain_ms:.2f}", f"{res.watched_ms:.2f}",
-                 f"{res.ratio:.3f}", f"{res.ratio_q1:.2f}-{res.ratio_q3:.2f}",
+                 f"{res.ratio:.3f}", f"{res.ratio_low:.3f}-{res.ratio_high:.3f}",
                  f"{res.ratio_best:.3f}", f"<={res.target:.2f}", f"{res.rows_per_step:.0f}"]
         if compiled:
             cells += [f"{res.graph_breaks_plain}/{res.graph_breaks_watched}",
@@ -711,7 +756,8 @@ def write_json(path: Path, results: Sequence[Result], settings: dict[str, Any]) 
                   "median of its steps (with every=N: the mean over positions in the round of "
                   "each position's median step time over the rounds, on both sides); rounds "
                   "interleaved, order flipped every round; enter/exit of the with block not in "
-                  "the steps",
+                  "the steps; ratio_low/ratio_high: 95% percentile bootstrap interval over "
+                  f"{BOOTSTRAP_RESAMPLES} resamples of the rounds (seed 0)",
         "settings": settings,
         "environment": environment(),
         "results": [asdict(r) for r in results],
