@@ -1,6 +1,6 @@
 """``watch(model, outputs=False)``: the forward hook of a torch module finds nothing once its
-layer's depth is known, and is removed; modules of the user's own keep theirs for the cut
-check."""
+layer's depth is known, and is removed; modules of the user's own, and torch containers that
+hold one, keep theirs for the cut check."""
 
 from __future__ import annotations
 
@@ -122,3 +122,21 @@ def test_parameter_capture_keeps_a_hook_that_is_not_graddebugs():
     assert seen == [4, 1, 1]  # graddebug's three and the user's, then the user's alone
     assert len(calls) == 3
     assert _forward_hooks(model) == 1
+
+
+def test_a_torch_container_holding_a_module_of_the_users_keeps_its_hook():
+    torch.manual_seed(0)
+    gate = Gate()
+    model = nn.Sequential(nn.Linear(32, 16), nn.Sequential(nn.ReLU(), gate), nn.Linear(16, 10))
+    data = batches(3, (8, 32))
+    with graddebug.watch(model, outputs=False, layers=["1", "2"]) as dbg:
+        for step, (x, y) in enumerate(data):
+            gate.cut = step == 2
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            dbg.step()
+            # The container "1" runs a module of the user's: its hook stays; "2" is torch's.
+            assert [bool(m._forward_hooks) for m in model] == [False, True, False]
+    events = dbg.events()
+    cuts = events[events["event"] == "detached_output"]
+    assert list(zip(cuts["step"], cuts["layer"], strict=True)) == [(2, "1")]

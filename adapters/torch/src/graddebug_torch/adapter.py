@@ -86,6 +86,12 @@ from graddebug_torch.wrappers import class_name, clean_name, compiled, unwrap
 
 __all__ = ["TorchAdapter"]
 
+def _torch_all_the_way(module: nn.Module) -> bool:
+    """Whether ``module`` and every module under it are torch's own classes (exact types: a
+    subclass of the user's may cut the graph in its ``forward``)."""
+    return all(type(m).__module__.startswith("torch.") for m in module.modules())
+
+
 def _grad_mark(grad: Tensor | None) -> tuple[int, int] | None:
     """Which gradient a tensor's ``.grad`` holds, and how often it changed in place."""
     if grad is None:
@@ -216,8 +222,7 @@ class TorchAdapter(BaseAdapter):
             layer = self._layers[name]
             hook = module.register_forward_hook(functools.partial(self._on_forward, layer))
             handles = [hook]
-            if (not layer.capture and not runs_compiled
-                    and type(module).__module__.startswith("torch.")):
+            if not layer.capture and not runs_compiled and _torch_all_the_way(module):
                 self._idle.append((layer, hook))
             if needs_value_flow(module):
                 handles += self._flows.follow(
@@ -620,9 +625,10 @@ class TorchAdapter(BaseAdapter):
 
         A layer whose outputs are not recorded (``outputs=False``) needs its forward hook for
         two things: its depth, set at its first recorded forward, and the cut check on its
-        outputs. A module of torch's own computes from its inputs and never cuts the graph, so
-        once its depth is known its hook can find nothing; removed, it no longer sends every
-        call of the module down torch's slower path for modules with hooks.
+        outputs. A module of torch's own, children included, computes from its inputs and
+        never cuts the graph, so once its depth is known its hook can find nothing; removed,
+        it no longer sends every call of the module down torch's slower path for modules with
+        hooks.
         """
         idle = []
         for layer, handle in self._idle:
