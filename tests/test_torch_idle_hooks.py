@@ -15,26 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import graddebug  # noqa: E402
-from torch_models import batches, relu_mlp  # noqa: E402
-
-
-def _forward_hooks(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-
-
-def _train(model: nn.Module, steps: int, seen: list[int] | None = None,
-           **options: object) -> graddebug.Watcher:
-    data = batches(steps, (8, 32))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with graddebug.watch(model, **options) as dbg:
-        for x, y in data:
-            if seen is not None:
-                seen.append(_forward_hooks(model))
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            dbg.step()
-            opt.step()
-    return dbg
+from torch_models import batches, forward_hooks, relu_mlp, watched_run  # noqa: E402
 
 
 def test_parameter_capture_drops_the_forward_hooks_after_the_first_step_with_the_same_rows():
@@ -42,12 +23,12 @@ def test_parameter_capture_drops_the_forward_hooks_after_the_first_step_with_the
     model = relu_mlp(depth=4, width=16)
     reference = copy.deepcopy(model)
     seen: list[int] = []
-    frame = _train(model, 4, seen, outputs=False).frame()
+    frame = watched_run(model, 4, seen, outputs=False).frame()
     # One hook per leaf module (4 Linear, 3 ReLU) on the first step, none after it.
     assert seen == [7, 0, 0, 0]
-    assert _forward_hooks(model) == 0
+    assert forward_hooks(model) == 0
     # The rows are those of a watch that records the outputs too, its parameter rows.
-    full = _train(reference, 4).frame().query("kind == 'parameter'")
+    full = watched_run(reference, 4).frame().query("kind == 'parameter'")
     keys = ["step", "layer", "tensor", "depth", "shape", "numel"]
     a = full.sort_values(keys).reset_index(drop=True)
     b = frame.sort_values(keys).reset_index(drop=True)
@@ -118,10 +99,10 @@ def test_parameter_capture_keeps_a_hook_that_is_not_graddebugs():
     calls: list[int] = []
     model[0].register_forward_hook(lambda m, a, o: calls.append(1))
     seen: list[int] = []
-    _train(model, 3, seen, outputs=False)
+    watched_run(model, 3, seen, outputs=False)
     assert seen == [4, 1, 1]  # graddebug's three and the user's, then the user's alone
     assert len(calls) == 3
-    assert _forward_hooks(model) == 1
+    assert forward_hooks(model) == 1
 
 
 def test_a_torch_container_holding_a_module_of_the_users_keeps_its_hook():

@@ -15,13 +15,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import graddebug  # noqa: E402
-from torch_models import batches, relu_mlp  # noqa: E402
+from torch_models import batches, forward_hooks, relu_mlp, watched_run  # noqa: E402
 
 SAME = ["step", "layer", "tensor", "kind", "depth", "shape", "numel", "nan", "inf"]
-
-
-def _forward_hooks(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 class Cut(nn.Module):
@@ -31,31 +27,16 @@ class Cut(nn.Module):
         return x.detach() * 1.0
 
 
-def _run(model: nn.Module, steps: int, every: int, seen: list[int] | None = None,
-         **options: object) -> graddebug.Watcher:
-    data = batches(steps, (8, 32))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with graddebug.watch(model, every=every, **options) as dbg:
-        for x, y in data:
-            if seen is not None:
-                seen.append(_forward_hooks(model))
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            dbg.step()
-            opt.step()
-    return dbg
-
-
 def test_skipped_steps_run_no_forward_hook_and_recorded_rows_are_those_of_every_step():
     torch.manual_seed(0)
     model = relu_mlp(depth=4, width=16)
     reference = copy.deepcopy(model)
     seen: list[int] = []
-    sparse = _run(model, 7, every=3, seen=seen).frame()
+    sparse = watched_run(model, 7, every=3, seen=seen).frame()
     # Recorded steps (0, 3, 6) find every hook; the others none at all.
     assert [n > 0 for n in seen] == [True, False, False, True, False, False, True]
-    assert _forward_hooks(model) == 0
-    dense = _run(reference, 7, every=1).frame().query("step in [0, 3, 6]")
+    assert forward_hooks(model) == 0
+    dense = watched_run(reference, 7, every=1).frame().query("step in [0, 3, 6]")
     assert sorted(sparse["step"].unique()) == [0, 3, 6]
     a = dense.sort_values(SAME[:4]).reset_index(drop=True)
     b = sparse.sort_values(SAME[:4]).reset_index(drop=True)
@@ -84,7 +65,7 @@ def test_a_module_with_a_hook_of_its_own_keeps_graddebugs():
     calls: list[int] = []
     model[0].register_forward_hook(lambda m, a, o: calls.append(1))
     seen: list[int] = []
-    dbg = _run(model, 4, every=2, seen=seen)
+    dbg = watched_run(model, 4, every=2, seen=seen)
     # On skipped steps only layer 0's two hooks (the user's and graddebug's) are left.
     assert seen[1] == seen[3] == 2 and seen[0] > 2
     assert len(calls) == 4
@@ -130,21 +111,21 @@ def test_value_flow_hooks_come_back_in_their_order_and_still_find_the_cut():
 def test_leaving_while_parked_removes_every_hook_and_entering_again_records():
     torch.manual_seed(0)
     model = relu_mlp(depth=3, width=16)
-    before = _forward_hooks(model)
+    before = forward_hooks(model)
     watcher = graddebug.watch(model, every=2)
     data = batches(3, (8, 32))
     with watcher as dbg:
         x, y = data[0]
         F.cross_entropy(model(x), y).backward()
         dbg.step()  # step 1 is skipped: the hooks are parked now
-    assert _forward_hooks(model) == before == 0
+    assert forward_hooks(model) == before == 0
     with watcher as dbg:
-        assert _forward_hooks(model) == 0  # entered on skipped step 1
+        assert forward_hooks(model) == 0  # entered on skipped step 1
         for x, y in data[1:]:
             model.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             dbg.step()
-    assert _forward_hooks(model) == 0
+    assert forward_hooks(model) == 0
     assert sorted(watcher.frame()["step"].unique()) == [0, 2]
 
 
@@ -152,5 +133,5 @@ def test_a_layer_with_an_intervention_keeps_its_hook_on_skipped_steps():
     torch.manual_seed(0)
     model = relu_mlp(depth=3, width=16)
     seen: list[int] = []
-    _run(model, 2, every=2, seen=seen, intervene={"1": {"scale": 0.5}})
+    watched_run(model, 2, every=2, seen=seen, intervene={"1": {"scale": 0.5}})
     assert seen[1] == 1 and len(model[1]._forward_hooks) == 0

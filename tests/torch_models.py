@@ -100,3 +100,26 @@ def batches(n: int, shape: tuple[int, ...], classes: int = 10, seed: int = 0,
         y = torch.randint(0, classes, target_shape or (shape[0],), generator=g)
         out.append((x, y))
     return out
+
+
+def forward_hooks(model: nn.Module) -> int:
+    """How many forward and forward-pre hooks the modules of ``model`` hold."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def watched_run(model: nn.Module, steps: int, seen: list[int] | None = None, **options):
+    """Train ``model`` ``steps`` SGD steps on seeded (8, 32) batches under
+    ``graddebug.watch(model, **options)``; ``seen`` gets :func:`forward_hooks` before each step.
+    Returns the Watcher."""
+    import graddebug
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with graddebug.watch(model, **options) as dbg:
+        for x, y in batches(steps, (8, 32)):
+            if seen is not None:
+                seen.append(forward_hooks(model))
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            dbg.step()
+            opt.step()
+    return dbg
