@@ -81,16 +81,10 @@ from graddebug_torch.step import (
     kept_array,
     shape_text,
 )
-from graddebug_torch.valueflow import ValueFlows, needs_value_flow
+from graddebug_torch.valueflow import ValueFlows, needs_value_flow, never_cuts
 from graddebug_torch.wrappers import class_name, clean_name, compiled, unwrap
 
 __all__ = ["TorchAdapter"]
-
-def _torch_all_the_way(module: nn.Module) -> bool:
-    """Whether ``module`` and every module under it are torch's own classes (exact types: a
-    subclass of the user's may cut the graph in its ``forward``)."""
-    return all(type(m).__module__.startswith("torch.") for m in module.modules())
-
 
 def _grad_mark(grad: Tensor | None) -> tuple[int, int] | None:
     """Which gradient a tensor's ``.grad`` holds, and how often it changed in place."""
@@ -222,7 +216,7 @@ class TorchAdapter(BaseAdapter):
             layer = self._layers[name]
             hook = module.register_forward_hook(functools.partial(self._on_forward, layer))
             handles = [hook]
-            if not layer.capture and not runs_compiled and _torch_all_the_way(module):
+            if not layer.capture and not runs_compiled and never_cuts(module):
                 self._idle.append((layer, hook))
             if needs_value_flow(module):
                 handles += self._flows.follow(

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from graddebug_torch.outputs import tensors
 
-__all__ = ["ValueFlow", "ValueFlows", "needs_value_flow"]
+__all__ = ["ValueFlow", "ValueFlows", "needs_value_flow", "never_cuts"]
 
 # Functions that read a tensor's metadata, not its values.
 _METADATA: frozenset[Any] = frozenset({
@@ -50,14 +50,26 @@ _ESCAPES: frozenset[Any] = frozenset({
 })
 
 
+def _torch_own(module: nn.Module) -> bool:
+    """Whether ``module`` is of one of torch's own classes (an exact type: a subclass of the
+    user's may detach in its ``forward``). Modules of ``torch.nn`` compute from their inputs'
+    values or pass them on, and never detach."""
+    return type(module).__module__.startswith("torch.")
+
+
+def never_cuts(module: nn.Module) -> bool:
+    """Whether ``module`` and every module under it are torch's own, so that no call of it
+    can cut the graph (a container of torch's may run a module of the user's)."""
+    return all(_torch_own(m) for m in module.modules())
+
+
 def needs_value_flow(module: nn.Module) -> bool:
     """Whether a no-gradient output of ``module`` needs :class:`ValueFlow` to be judged.
 
     A module with a trainable parameter of its own whose output needs no gradient has starved
-    that parameter: a cut whatever the values did. Modules of ``torch.nn`` compute from their
-    inputs' values or pass them on, and never detach.
+    that parameter: a cut whatever the values did. A module of torch's own never detaches.
     """
-    if type(module).__module__.startswith("torch."):
+    if _torch_own(module):
         return False
     return not any(p.requires_grad for p in module.parameters(recurse=False))
 
