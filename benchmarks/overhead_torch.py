@@ -8,22 +8,25 @@ Run by hand (it is a benchmark, not a test)::
     python benchmarks/overhead_torch.py --compile --workloads mlp,transformer,resnet18
 
 A training step is ``zero_grad, forward, loss, backward, SGD step`` and, when watched,
-``dbg.step()`` right after ``backward`` (as the library documents). Plain and watched rounds run in
-one process on the same model, optimizer and batch, interleaved; the order of the two rounds of a
-pair flips every round (plain-watched, watched-plain, ...) so that slow drift of the machine
-cancels out, and from one config to the next, so that each side of a pair follows the same side of
-the config before it. Each configuration builds one ``Watcher`` and enters it around every watched
-round: a plain round then runs with no graddebug hook installed at all, and the one-off cost of
-entering and leaving (attaching and removing hooks) is timed separately, not charged to the steps,
-because a real run enters once for thousands of steps. The ratio of a round is its watched time
-over the plain time of the same pair, where a round's time is the median of its steps, each timed
-on its own; the table quotes the median of these ratios over rounds. Config (c) records one step in
-10, which a round's median would hide: its ratio compares the mean over the positions of a round of
-each position's median step time over the rounds (``position_ratio``), watched over plain.
-Next to each ratio the table gives its 95% bootstrap interval (the rounds resampled with
+``dbg.step()`` right after ``backward`` (as the library documents). The plain and the watched side
+are twins: two copies of one model, each with its own optimizer, on the same batch, in one
+process. Steps are timed one by one in pairs, one plain step of the plain twin and one watched
+step of the watched twin back to back, the order flipping from pair to pair; load from elsewhere
+on a shared machine comes in bursts far longer than a step, so both steps of a pair meet the same
+load and the pair's ratio cancels it. A round is a run of such pairs under one config; the
+configs take turns round by round, and the order of the first pair flips from one round to the
+next and from one config to the next. Each configuration builds one ``Watcher`` for the watched
+twin and enters it around every round, so the plain twin never carries a graddebug hook, and the
+one-off cost of entering and leaving (attaching and removing hooks) is timed separately, not
+charged to the steps, because a real run enters once for thousands of steps. The ratio of a config
+is the median over all its pairs of the watched step's time over the plain one's. Config (c)
+records one step in 10, which a median would hide: its ratio compares the mean over the positions
+of a round of each position's median step time over the rounds (``position_ratio``), watched
+over plain. Config (n) runs the watched twin plain too: its ratio is the method's own bias and
+noise. Next to each ratio the table gives its 95% bootstrap interval (the rounds resampled with
 replacement, the ratio taken again from each resample), and the result column says ``pass`` or
 ``FAIL`` only when the whole interval lies on one side of the target, ``within noise`` when it
-holds the target: on a shared machine a single median moves by a few hundredths between runs.
+holds the target.
 
 With ``--compile`` both sides run ``torch.compile``d models, and the script also counts the graph
 breaks and compiled graphs of a few steps, plain and under each config, each from a clean dynamo
@@ -38,6 +41,7 @@ watched rounds recorded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import gc
@@ -109,22 +113,26 @@ CONFIGS: tuple[Config, ...] = (
     # The floor of parameter capture: what any tool must do at least, one fused norm pass over
     # the parameter gradients and one host sync. (a) is judged by its distance to it.
     Config("f", "(f) floor: one _foreach_norm pass, no graddebug", {"floor": True}, math.inf),
+    # The method's own reading of a monitor that costs nothing: both twins plain.
+    Config("n", "(n) null: both twins plain, no graddebug", {"null": True}, math.inf),
 )
 
 
-class _Anomaly:
-    """Stands for a Watcher in config (d): ``torch.autograd.detect_anomaly()`` around the
-    round, the peer that names the op behind a NaN, for comparison."""
+class _StandIn:
+    """Stands for a Watcher in the configs without graddebug: entered once around a round on
+    the watched twin, ``step()`` after each backward pass, and no rows or findings."""
 
     every = 1
 
-    def __enter__(self) -> _Anomaly:
-        self._mode = torch.autograd.detect_anomaly(check_nan=True)
-        self._mode.__enter__()
+    def __enter__(self) -> _StandIn:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._mode.__exit__(None, None, None)
+        pass
+
+    def per_step(self) -> contextlib.AbstractContextManager[object]:
+        """A context around each watched step; none here."""
+        return contextlib.nullcontext()
 
     def step(self) -> None:
         """Nothing to close."""
@@ -136,18 +144,27 @@ class _Anomaly:
         return []
 
 
-class _Floor(_Anomaly):
-    """Stands for a Watcher in config (f): after each backward pass, the norms of every
-    parameter gradient in one ``torch._foreach_norm`` pass, read to the host in one sync."""
+class _Null(_StandIn):
+    """Config (n): the watched twin runs plain too. Its ratio is the method's own bias and
+    noise, what a perfect monitor that costs nothing would read."""
+
+
+class _Anomaly(_StandIn):
+    """Config (d): ``torch.autograd.detect_anomaly()``, the peer that names the op behind a
+    NaN, for comparison. Anomaly mode is global, so it is set around each watched step only,
+    never around the plain twin's steps in between."""
+
+    def per_step(self) -> contextlib.AbstractContextManager[object]:
+        """Anomaly mode around one watched step."""
+        return torch.autograd.detect_anomaly(check_nan=True)
+
+
+class _Floor(_StandIn):
+    """Config (f): after each backward pass, the norms of every parameter gradient in one
+    ``torch._foreach_norm`` pass, read to the host in one sync."""
 
     def __init__(self, model: nn.Module) -> None:
         self._params = [p for p in model.parameters() if p.requires_grad]
-
-    def __enter__(self) -> _Floor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
     def step(self) -> None:
         """Measure the parameter gradients, as the cheapest parameter capture would."""
@@ -156,6 +173,8 @@ class _Floor(_Anomaly):
 
 
 def _watcher(model: nn.Module, config: Config) -> Any:
+    if config.options.get("null"):
+        return _Null()
     if config.options.get("anomaly"):
         return _Anomaly()
     if config.options.get("floor"):
@@ -197,14 +216,15 @@ class Result:
         target: The ratio the config must stay under.
         plain_ms: Median over the rounds paired with this config of the plain step time (ms).
         watched_ms: Median over rounds of the watched step time (ms).
-        ratio: Median over rounds of (watched / plain) step time; with ``every=N``, the
+        ratio: Median over every pair of (watched / plain) step time; with ``every=N``, the
             ratio of the mean per-step costs of :func:`position_ratio`.
         ratio_q1: First quartile of the per-round ratios.
         ratio_q3: Third quartile of the per-round ratios.
         ratio_low: Lower end of the 95% bootstrap interval of ``ratio`` (the rounds resampled
             with replacement, ``ratio`` taken again from each resample).
         ratio_high: Its upper end.
-        ratio_best: Fastest watched round over fastest plain round; on a busy machine it shows
+        ratio_best: Fastest watched round over fastest plain round (round medians; with
+            ``every=N``, round means); on a busy machine it shows
             the overhead with the least interference.
         passed: ``ratio <= target``.
         verdict: ``"pass"`` when the whole interval lies under the target, ``"FAIL"`` when it
@@ -212,12 +232,14 @@ class Result:
         rows_per_step: Frame rows (recorded tensors) per watched step.
         findings: Findings the watcher raised over the run (a healthy model should give 0).
         enter_exit_ms: Median time to enter and leave the ``with`` block (not in the ratio).
-        round_ratios: Every round's ratio, in round order.
+        round_ratios: Every round's ratio, in round order: the median of its pairs' ratios;
+            with ``every=N``, its mean watched step over its mean plain step.
         plain_round_ms: Every plain round's median step time (ms).
         watched_round_ms: Every watched round's median step time (ms); with ``every=N``,
             the rounds' means (ms).
-        plain_steps_ms: Every plain step's time (ms), per round.
-        watched_steps_ms: Every watched step's time (ms), per round.
+        plain_steps_ms: Every plain step's time (ms), per round, in pair order.
+        watched_steps_ms: Every watched step's time (ms), per round: its k-th step ran
+            right before or after the k-th plain step of the round.
         compiled: Both sides ran under ``torch.compile``.
         graph_breaks_plain: Graph breaks over the census steps of the plain compiled model
             (-1 when not compiled).
@@ -387,25 +409,32 @@ def build_workload(name: str, device: torch.device, seed: int = 0) -> Workload:
     return Workload(name, description, model, optimizer, x.to(device), y.to(device), loss_fn)
 
 
-def compiled_copy(work: Workload, apart: bool) -> Workload:
-    """A ``torch.compile``d copy of ``work``'s model, with its own optimizer.
+def twin(work: Workload, apart: bool = False) -> Workload:
+    """A copy of ``work``'s model with its own optimizer, on the same batch and loss.
 
     Args:
-        work: An eager workload.
+        work: The workload to copy; its weights are copied as they are now.
         apart: Give the copy a subclass of the model's class, so that dynamo compiles its
             graphs apart from those of the original's class: dynamo would otherwise reuse a
             hook-free graph of the class for a watched copy, without graddebug's hooks.
 
     Returns:
-        The workload of the compiled copy (same batch and loss).
+        The copy's workload.
     """
     model = copy.deepcopy(work.model)
     if apart:
         cls = type(model)
         model.__class__ = type(f"Watched{cls.__name__}", (cls,), {})
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    return Workload(work.name, work.description, torch.compile(model), optimizer,
-                    work.inputs, work.target, work.loss_fn)
+    return Workload(work.name, work.description, model, optimizer, work.inputs, work.target,
+                    work.loss_fn)
+
+
+def compiled_copy(work: Workload, apart: bool) -> Workload:
+    """A ``torch.compile``d :func:`twin` of ``work``."""
+    copied = twin(work, apart)
+    copied.model = torch.compile(copied.model)
+    return copied
 
 
 def graph_census(name: str, options: dict[str, Any] | None, device: torch.device
@@ -461,6 +490,14 @@ def train_step(work: Workload, dbg: Watcher | None) -> None:
     work.optimizer.step()
 
 
+def timed_step(work: Workload, dbg: Any, device: torch.device) -> float:
+    """Run and time one :func:`train_step`, in seconds, the device synchronised at its end."""
+    start = time.perf_counter()
+    train_step(work, dbg)
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def step_times(work: Workload, steps: int, dbg: Watcher | None,
                device: torch.device) -> list[float]:
     """Time ``steps`` consecutive training steps one by one; return their times, in seconds.
@@ -474,14 +511,8 @@ def step_times(work: Workload, steps: int, dbg: Watcher | None,
     # Collect leftovers from the previous round outside the clock; collections the round itself
     # triggers stay in, because they are part of its cost.
     gc.collect()
-    times: list[float] = []
     _sync(device)
-    for _ in range(steps):
-        start = time.perf_counter()
-        train_step(work, dbg)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return times
+    return [timed_step(work, dbg, device) for _ in range(steps)]
 
 
 def time_steps(work: Workload, steps: int, dbg: Watcher | None, device: torch.device) -> float:
@@ -510,14 +541,21 @@ def position_ratio(watched: Sequence[Sequence[float]], plain: Sequence[Sequence[
     return per_step(watched) / per_step(plain)
 
 
+def pair_ratios(watched: Sequence[float], plain: Sequence[float]) -> list[float]:
+    """Each pair's watched step time over its plain step time (see :func:`time_pairs`)."""
+    return [w / p for w, p in zip(watched, plain, strict=True)]
+
+
 def _estimator(res: Result, every: int) -> Callable[[Sequence[int]], float]:
     """The ratio of ``res`` taken over the rounds at the given indices (a round may come
-    more than once): the median of their ratios, or with ``every=N`` their
+    more than once): the median of the ratios of all their pairs, or with ``every=N`` their
     :func:`position_ratio`."""
     if every > 1:
         return lambda picked: position_ratio([res.watched_steps_ms[i] for i in picked],
                                              [res.plain_steps_ms[i] for i in picked])
-    return lambda picked: statistics.median(res.round_ratios[i] for i in picked)
+    per_round = [pair_ratios(w, p) for w, p in zip(res.watched_steps_ms, res.plain_steps_ms,
+                                                   strict=True)]
+    return lambda picked: statistics.median(r for i in picked for r in per_round[i])
 
 
 def bootstrap_interval(estimate: Callable[[Sequence[int]], float], rounds: int,
@@ -536,30 +574,52 @@ def bootstrap_interval(estimate: Callable[[Sequence[int]], float], rounds: int,
     return values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]
 
 
-def time_watched(work: Workload, steps: int, watcher: Watcher, device: torch.device
-                 ) -> tuple[list[float], float]:
-    """Enter ``watcher``, time a round of watched steps, leave it.
+def time_pairs(plain: Workload, watched: Workload, steps: int, watcher: Any,
+               device: torch.device, watched_first: bool) -> tuple[list[float], list[float], float]:
+    """Enter ``watcher`` on the watched twin, time ``steps`` pairs of single steps, leave it.
+
+    A pair is one plain step of ``plain`` and one watched step of ``watched``, back to back.
+    Load from elsewhere on a shared machine comes in bursts far longer than a step, so both
+    steps of a pair meet the same load and the pair's ratio cancels it. The order within the
+    pairs flips from one pair to the next, so that neither side always runs second.
 
     Args:
-        work: The workload to train.
-        steps: How many steps the round has.
-        watcher: A Watcher built for ``work.model``, not entered.
-        device: The workload's device.
+        plain: The plain twin, never watched.
+        watched: The watched twin, the model ``watcher`` was built for.
+        steps: How many pairs the round has.
+        watcher: A Watcher (or a stand-in) for ``watched.model``, not entered.
+        device: The workloads' device.
+        watched_first: Whether the round's first pair starts with the watched step.
 
     Returns:
-        Every watched step's time, in seconds, and the seconds spent entering plus leaving.
+        The plain and the watched steps' times in pair order, in seconds, and the seconds spent
+        entering plus leaving ``watcher``.
 
     Raises:
-        RuntimeError: graddebug left a hook on the model, so later plain rounds would be unfair.
+        RuntimeError: graddebug left a hook on a model, so later rounds would be unfair.
     """
+    # Collect leftovers from the previous round outside the clock; collections the round itself
+    # triggers stay in, because they are part of its cost.
+    gc.collect()
+    per_step = getattr(watcher, "per_step", contextlib.nullcontext)
+    plain_times: list[float] = []
+    watched_times: list[float] = []
     start = time.perf_counter()
     with watcher as dbg:
         entered = time.perf_counter()
-        times = step_times(work, steps, dbg, device)
+        _sync(device)
+        for k in range(steps):
+            if (k % 2 == 0) != watched_first:
+                plain_times.append(timed_step(plain, None, device))
+            with per_step():
+                watched_times.append(timed_step(watched, dbg, device))
+            if (k % 2 == 0) == watched_first:
+                plain_times.append(timed_step(plain, None, device))
         leaving = time.perf_counter()
     enter_exit = (entered - start) + (time.perf_counter() - leaving)
-    _check_no_hooks(work.model)
-    return times, enter_exit
+    _check_no_hooks(watched.model)
+    _check_no_hooks(plain.model)
+    return plain_times, watched_times, enter_exit
 
 
 def _check_no_hooks(model: nn.Module) -> None:
@@ -588,13 +648,13 @@ def benchmark_workload(
     console: Console,
     compiled: bool = False,
 ) -> list[Result]:
-    """Measure every config on one workload, plain and watched rounds interleaved.
+    """Measure every config on one workload, in pairs of a plain and a watched twin's steps.
 
     Args:
         name: Workload name.
         configs: The watch configurations to compare with plain training.
         rounds: Timed rounds per config.
-        steps: Steps per round.
+        steps: Pairs of steps per round.
         warmup: Untimed rounds per config before the timed ones (under ``compiled``, they
             take the compilation).
         device: Where to run.
@@ -609,44 +669,42 @@ def benchmark_workload(
                for c in configs}
     console.print(f"[bold]{name}[/bold]: {work.description}, "
                   f"{sum(p.numel() for p in work.model.parameters()):,} parameters")
-    plain_work = watched_work = work
     if compiled:
         plain_census = graph_census(name, None, device)
         for c in configs:
             res = results[c.key]
             res.graph_breaks_plain, res.graphs_plain = plain_census
-            # (d) and (f) have no watcher
-            options = None if {"anomaly", "floor"} & c.options.keys() else c.options
+            # (d), (f) and (n) have no watcher
+            options = None if {"anomaly", "floor", "null"} & c.options.keys() else c.options
             res.graph_breaks_watched, res.graphs_watched = graph_census(name, options, device)
             console.print(f"  {c.label}: graph breaks {res.graph_breaks_plain} plain, "
                           f"{res.graph_breaks_watched} watched; graphs {res.graphs_plain} "
                           f"plain, {res.graphs_watched} watched", style="dim")
         plain_work, watched_work = compiled_copy(work, False), compiled_copy(work, True)
+    else:
+        plain_work, watched_work = work, twin(work)
     watchers = {c.key: _watcher(watched_work.model, c) for c in configs}
     enter_exit: dict[str, list[float]] = {c.key: [] for c in configs}
     for r in range(-warmup, rounds):
         for i, config in enumerate(configs):
             watcher = watchers[config.key]
-            # Flip the order every round so that drift favours neither side, and from one
-            # config to the next, so that a config's plain round follows the plain round of the
-            # config before it and its watched round the watched one: with one order per round,
-            # every round of a config's one side came right after the other config's other side.
-            if (r + i) % 2 == 0:
-                plain = step_times(plain_work, steps, None, device)
-                watched, enter = time_watched(watched_work, steps, watcher, device)
-            else:
-                watched, enter = time_watched(watched_work, steps, watcher, device)
-                plain = step_times(plain_work, steps, None, device)
+            # Flip the order every round, and from one config to the next, so that drift
+            # favours neither side.
+            plain, watched, enter = time_pairs(plain_work, watched_work, steps, watcher, device,
+                                               watched_first=(r + i) % 2 == 1)
             if r < 0:
                 continue
             res = results[config.key]
+            res.plain_steps_ms.append([t * 1e3 for t in plain])
+            res.watched_steps_ms.append([t * 1e3 for t in watched])
             # A median would hide the one recorded step in N: every= rounds show their mean.
             summary = statistics.fmean if watcher.every > 1 else statistics.median
             res.plain_round_ms.append(summary(plain) * 1e3)
             res.watched_round_ms.append(summary(watched) * 1e3)
-            res.round_ratios.append(res.watched_round_ms[-1] / res.plain_round_ms[-1])
-            res.plain_steps_ms.append([t * 1e3 for t in plain])
-            res.watched_steps_ms.append([t * 1e3 for t in watched])
+            res.round_ratios.append(
+                res.watched_round_ms[-1] / res.plain_round_ms[-1] if watcher.every > 1
+                else statistics.median(pair_ratios(res.watched_steps_ms[-1],
+                                                   res.plain_steps_ms[-1])))
             enter_exit[config.key].append(enter * 1e3)
         if r >= 0:
             line = "  ".join(
@@ -889,7 +947,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Step-time overhead of graddebug.watch on PyTorch (watched / plain).",
     )
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per config")
-    parser.add_argument("--steps-per-round", type=int, default=10, help="steps in each round")
+    parser.add_argument("--steps-per-round", type=int, default=10,
+                        help="pairs of steps (one plain, one watched) in each round")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed rounds per config before the timed ones")
     parser.add_argument("--workloads", default=None,
@@ -897,9 +956,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              f"{','.join(DEFAULT_WORKLOADS)}; with --profile: mlp; gpt2 "
                              "needs transformers)")
     parser.add_argument("--configs", default="a,b",
-                        help="comma-separated, from a,b,c,o,d,f (c: b recording every 10th "
+                        help="comma-separated, from a,b,c,o,d,f,n (c: b recording every 10th "
                              "step; o: b with ops=True; d: detect_anomaly, no graddebug; "
-                             "f: the floor, one _foreach_norm pass)")
+                             "f: the floor, one _foreach_norm pass; n: both twins plain)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--json", type=Path, default=None,
                         help=f"where to write results (default: {DEFAULT_JSON.name}, with "
@@ -934,7 +993,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     keys = args.configs.split(",")
     args.config_list = [c for c in CONFIGS if c.key in keys]
     if len(args.config_list) != len(keys):
-        parser.error(f"--configs {args.configs!r}: choose from a,b,c,o,d,f")
+        parser.error(f"--configs {args.configs!r}: choose from a,b,c,o,d,f,n")
     for config in args.config_list:
         every = config.options.get("every", 1)
         if args.steps_per_round % every and not args.profile:
@@ -968,7 +1027,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     env = environment()
     console.print(f"torch {env['torch']}, {env['torch_threads']} threads, device {device}; "
-                  f"{args.rounds} rounds x {args.steps_per_round} steps, "
+                  f"{args.rounds} rounds x {args.steps_per_round} pairs of steps, "
                   f"{args.warmup} warm-up round(s)")
     results: list[Result] = []
     for name in args.workload_names:
@@ -977,7 +1036,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     title = (f"graddebug overhead{' under torch.compile' if args.compile else ''}, "
              f"torch {env['torch']} on {device} "
              f"({env['torch_threads']} threads), median of {args.rounds} rounds x "
-             f"{args.steps_per_round} steps")
+             f"{args.steps_per_round} pairs of steps")
     console.print(results_table(results, title))
     settings = {
         "rounds": args.rounds,
