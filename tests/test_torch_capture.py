@@ -404,3 +404,22 @@ def test_gradient_clipped_in_place_before_step_is_recorded_after_clipping() -> N
     got = {f"{r.layer}.{r.tensor}": r.norm for r in params.itertuples()}
     assert got == pytest.approx(expected, rel=1e-5)
     assert sum(v**2 for v in got.values()) == pytest.approx(0.25, rel=1e-4)
+
+
+def test_parameter_gradients_are_read_as_they_are_when_the_step_closes() -> None:
+    # A change through .data bumps no version counter that autograd or a hook could see;
+    # the rows still hold the gradients as step() finds them.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 4))
+    with graddebug.watch(model) as dbg:
+        model(torch.randn(8, 128)).square().sum().backward()
+        before = {name: p.grad.norm().item() for name, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad.data.mul_(0.25)
+        expected = {name: torch.linalg.vector_norm(p.grad).item()
+                    for name, p in model.named_parameters()}
+        dbg.step()
+    params = dbg.frame().query("kind == 'parameter'")
+    got = {f"{r.layer}.{r.tensor}": r.norm for r in params.itertuples()}
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert got["0.weight"] == pytest.approx(before["0.weight"] / 4, rel=1e-5)

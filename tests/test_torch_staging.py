@@ -16,7 +16,6 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import graddebug  # noqa: E402
-import graddebug_torch.adapter as torch_adapter  # noqa: E402
 import graddebug_torch.params as torch_params  # noqa: E402
 from graddebug_torch.staging import SmallGrads  # noqa: E402
 from torch_models import ResCNN  # noqa: E402
@@ -51,7 +50,6 @@ def _run(model: nn.Module, x: torch.Tensor, nan: bool = False) -> pd.DataFrame:
 
 def _unstaged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SmallGrads, "fits", staticmethod(lambda grad: False))
-    monkeypatch.setattr(torch_adapter, "SMALL_NUMEL", -1)
     monkeypatch.setattr(torch_params, "SMALL_NUMEL", -1)
 
 

@@ -62,7 +62,7 @@ from graddebug_torch.params import (
 from graddebug_torch.parking import HookParking
 from graddebug_torch.scaler import LossScaling
 from graddebug_torch.sharded import is_sharded, reduce_sharded
-from graddebug_torch.staging import SMALL_NUMEL, SmallGrads
+from graddebug_torch.staging import SmallGrads
 from graddebug_torch.stats import (
     acc_dtype,
     apply_intervention,
@@ -74,7 +74,6 @@ from graddebug_torch.step import (
     Capture,
     CollectorPause,
     ForwardChecks,
-    ParamGrad,
     ParamRow,
     StepCaptures,
     gather,
@@ -144,9 +143,6 @@ class TorchAdapter(BaseAdapter):
         self._ops = OpCapture(self)
         self._resolve(params)
         self._sharded = [i for i, p in enumerate(self._params) if p.sharded]
-        # With several ranks (DDP) the gradient a post-accumulate hook sees is this rank's
-        # own, which the all-reduce then replaces: it is measured when the step closes.
-        self._late = self.distribution().world_size > 1
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -199,7 +195,7 @@ class TorchAdapter(BaseAdapter):
         """
         self._scaling = LossScaling(
             self._options.scaler, [(p.layer, p.tensor, p.param) for p in self._params],
-            self.has_pending, self.grads_changed_in_place, self._fail_open("GradScaler"))
+            self._fail_open("GradScaler"))
         for name, spec in self._options.intervene.items():
             check_mask_device(spec, name)
         self._owners.claim(self._modules, class_name(self._root) if self._root is not None
@@ -227,13 +223,8 @@ class TorchAdapter(BaseAdapter):
                 parking.add(module, handles)
         for index, param in enumerate(self._params):
             if param.param.requires_grad:
-                # A gradient that is only held (small, or of a multi-rank run) takes the
-                # shorter hook: a model of many small layers calls it tens of thousands of
-                # times a step.
-                held = (param.param.numel() <= SMALL_NUMEL or self._late or param.sharded)
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._hold_param_grad if held else self._on_param_grad,
-                                      index)))
+                    functools.partial(self._on_param_grad, index)))
         # Only graddebug's per-output objects (and op capture's) are worth pausing it for.
         makes_objects = self._ops.enabled or any(self._layers[n].capture for n in self._modules)
         if self._root is not None and makes_objects and not runs_compiled:
@@ -293,16 +284,6 @@ class TorchAdapter(BaseAdapter):
         return any(params[i].param.grad is not None
                    and _grad_mark(params[i].param.grad) != self._sharded_marks.get(i)
                    for i in self._sharded)
-
-    def grads_changed_in_place(self) -> None:
-        """Say that parameter gradients changed in place unseen by autograd's version counter.
-
-        ``GradScaler.unscale_`` divides them by the loss scale that way. The norms taken while
-        the gradients accumulated are then stale, and the step measures them again on closing.
-        A GradScaler given as ``watch(scaler=...)`` says so itself; integrations that drive a
-        scaler of their own call this.
-        """
-        self._state.changed_in_place = True
 
     def train_step(
         self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any
@@ -374,38 +355,19 @@ class TorchAdapter(BaseAdapter):
 
     # -- hooks ------------------------------------------------------------------------------
 
-    def _hold_param_grad(self, index: int, param: Tensor) -> None:
-        """The post-accumulate hook of a gradient measured when the step closes: it is held,
-        so that step() may come after zero_grad(set_to_none=True)."""
+    def _on_param_grad(self, index: int, param: Tensor) -> None:
+        """The post-accumulate hook of a watched parameter: it holds the gradient, so that
+        ``step()`` may come after ``zero_grad(set_to_none=True)``.
+
+        Every parameter gradient is measured when the step closes, in one fused pass, as it
+        is then: after accumulation, clipping, unscaling or a multi-rank all-reduce. A kernel
+        per gradient here, inside the backward pass, cost more than that pass.
+        """
         state = self._state
         state.touched = True
         grad = param.grad
         if grad is not None and self._ctx.recording:
             state.received[index] = grad
-
-    def _on_param_grad(self, index: int, param: Tensor) -> None:
-        # Holding the reference lets step() come after zero_grad(set_to_none=True). The sum of
-        # squares is taken now, while the gradient is still in cache; a gradient that changes
-        # afterwards (accumulation, clipping in place) is measured again when the step closes.
-        grad = param.grad
-        if (grad is None or grad.numel() <= SMALL_NUMEL or self._late
-                or self._params[index].sharded):
-            # Small gradients are left to the batched pass at the step's close (one kernel a
-            # shape); a kernel each here would cost more than the data. So are those of a
-            # multi-rank run, still to be all-reduced or measured over the ranks (FSDP2 on a
-            # GPU writes a sharded gradient on another stream while this hook runs).
-            self._hold_param_grad(index, param)
-            return
-        state = self._state
-        state.touched = True
-        if not self._ctx.recording:
-            return
-        with self._fail_open(self._params[index].layer):
-            dense = not grad.is_sparse and grad.is_contiguous()
-            first = index not in state.received
-            sq = square_sum(grad) if first and dense else None
-            state.received[index] = ParamGrad(grad, sq, grad._version)
-
 
     def _forward_begins(self, module: nn.Module, args: Any) -> None:
         """The root module's forward starts: pause the collector on recorded steps."""
@@ -589,8 +551,7 @@ class TorchAdapter(BaseAdapter):
             if (state.touched and not (state.forward or state.expected or state.transformed)
                     and any(self._layers[name].capture for name in self._modules)):
                 self._ctx.warn_once("no-forward", NO_FORWARD_WARNING.format(step=step))
-            rows = param_rows(self._params, state.received, grads, state.changed_in_place,
-                              self._param_depth)
+            rows = param_rows(self._params, state.received, grads, self._param_depth)
             full = self._options.param_stats == "full"
             with self._fail_open("step"):
                 # While an exception unwinds (the with block closing the step of a crashed

@@ -13,7 +13,7 @@ from torch.nn.parameter import is_lazy
 from graddebug.errors import ConfigError, GradientCountError
 from graddebug_torch.sharded import is_sharded
 from graddebug_torch.staging import SMALL_NUMEL
-from graddebug_torch.step import ParamGrad, ParamRow
+from graddebug_torch.step import ParamRow
 from graddebug_torch.wrappers import clean_name
 
 __all__ = ["TorchParam", "ancestors", "check_optimizer", "given_params", "model_params",
@@ -46,7 +46,7 @@ class TorchParam:
     """Its row at each step's close (see :class:`~graddebug_torch.step.ParamRow`)."""
 
     def __post_init__(self) -> None:
-        self.row = ParamRow(self.layer, self.tensor, -1, None, None, self.keep, self.sharded)
+        self.row = ParamRow(self.layer, self.tensor, -1, None, self.keep, self.sharded)
 
 
 def ancestors(qualified: str) -> Iterator[str]:
@@ -168,18 +168,17 @@ def _check_given(position: int, param: TorchParam, grad: Any) -> None:
         )
 
 
-def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad | Tensor],
-               grads: Sequence[Any] | None, stale: bool,
+def param_rows(params: Sequence[TorchParam], received: Mapping[int, Tensor],
+               grads: Sequence[Any] | None,
                depth_of: Callable[[TorchParam], int]) -> list[ParamRow]:
     """Every watched parameter that requires a gradient, with its gradient at the step's close.
 
     Args:
         params: The watched parameters.
-        received: What the post-accumulate hooks saw, by index in ``params`` (a bare
-            gradient: held, not measured).
+        received: The gradients the post-accumulate hooks held, by index in ``params``: they
+            stand in for a ``p.grad`` that ``zero_grad(set_to_none=True)`` cleared before the
+            step closed.
         grads: Gradients handed to ``step(grads)``, or None to read ``p.grad``.
-        stale: The sums of squares taken in the hooks no longer hold (gradients changed in
-            place unseen by their version counters).
         depth_of: The depth of a parameter's layer.
 
     Returns:
@@ -198,37 +197,27 @@ def param_rows(params: Sequence[TorchParam], received: Mapping[int, ParamGrad | 
             )
         for position, (p, g) in enumerate(zip(live, grads, strict=True)):
             _check_given(position, p, g)
-        return [_fill(p, depth_of, g, None) for p, g in zip(live, grads, strict=True)]
+        return [_fill(p, depth_of, g) for p, g in zip(live, grads, strict=True)]
     rows = []
     for i, p in enumerate(params):  # one pass: a large model closes tens of thousands a step
         param = p.param
         if not param.requires_grad:
             continue
-        seen = received.get(i)
         grad = param.grad
-        sq = None
-        if isinstance(seen, ParamGrad):
-            if grad is None:
-                grad = seen.grad
-            if not stale and seen.grad is grad and grad._version == seen.version:
-                sq = seen.sq
-        elif grad is None:
-            grad = seen  # held by the hook: zero_grad(set_to_none=True) came before step()
-        rows.append(_fill(p, depth_of, grad, sq))
+        rows.append(_fill(p, depth_of, grad if grad is not None else received.get(i)))
     return rows
 
 
-def _fill(p: TorchParam, depth_of: Callable[[TorchParam], int], grad: Tensor | None,
-          sq: Tensor | None) -> ParamRow:
+def _fill(p: TorchParam, depth_of: Callable[[TorchParam], int],
+          grad: Tensor | None) -> ParamRow:
     """``p``'s row, filled in for this step's close."""
     row = p.row
     row.depth = p.depth if p.depth >= 0 else depth_of(p)
     row.grad = grad
-    row.sq = sq
     return row
 
 
 def release_rows(rows: Sequence[ParamRow]) -> None:
     """Let go of the gradients a step's rows held (they outlive the step)."""
     for row in rows:
-        row.grad = row.sq = None
+        row.grad = None

@@ -205,9 +205,6 @@ class LossScaling:
     Args:
         scaler: The ``watch(scaler=...)`` value.
         params: The watched parameters, as ``(layer, tensor, tensor object)``.
-        pending: Whether the open step has gradients (a backward ran since it opened).
-        changed: Called when the scaler divides gradients of the open step in place, unseen
-            by their version counters (the adapter measures them again when the step closes).
         guard: The fail-open guard of the wrappers' own bookkeeping.
 
     Raises:
@@ -215,12 +212,9 @@ class LossScaling:
     """
 
     def __init__(self, scaler: Any, params: Sequence[tuple[str, str, Tensor]],
-                 pending: Callable[[], bool], changed: Callable[[], None],
                  guard: FailOpen) -> None:
         self._scaler = check_scaler(scaler)
         self._keys = {id(t): (layer, name) for layer, name, t in params}
-        self._pending = pending
-        self._changed_in_place = changed
         self._guard = guard
         self._pass = _Pass()
         self._host = _HostCopy()
@@ -318,12 +312,6 @@ class LossScaling:
 
     # -- the wrappers --------------------------------------------------------------------------
 
-    def _changed(self) -> None:
-        # After dbg.step() closed the step (a loop that closes it before scaler.step), the
-        # gradients divided belong to a closed step: the next one's hooks are not stale.
-        if self._pending():
-            self._changed_in_place()
-
     def _scale(self, original: Callable[..., Any], outputs: Any) -> Any:
         out = original(outputs)
         with self._guard:
@@ -341,7 +329,6 @@ class LossScaling:
             if self._patched:
                 self._pass.unscaled |= _param_ids(optimizer)
                 self._pass.unscaled_optimizers.add(id(optimizer))
-                self._changed()
 
     def _step(self, original: Callable[..., Any], optimizer: Any, *args: Any,
               **kwargs: Any) -> Any:
@@ -350,7 +337,6 @@ class LossScaling:
             if (self._patched and getattr(optimizer, "_step_supports_amp_scaling", False)
                     and id(optimizer) not in current.unscaled_optimizers):
                 current.self_unscaled |= _param_ids(optimizer)
-                self._changed()
         self._stepped = False
         out = original(optimizer, *args, **kwargs)
         if (self._patched and optimizer is self._bound and not self._stepped

@@ -22,7 +22,7 @@ from graddebug_torch.sharded import GlobalStats, OnBug, nonfinite_flags, row_val
 from graddebug_torch.staging import GroupStats, SmallGrads, StagedGroup
 from graddebug_torch.stats import acc_dtype, finiteness, unit_summary
 
-__all__ = ["Capture", "CollectorPause", "ForwardChecks", "GradHooks", "ParamGrad", "ParamRow",
+__all__ = ["Capture", "CollectorPause", "ForwardChecks", "GradHooks", "ParamRow",
            "StepCaptures", "gather", "kept_array", "shape_text"]
 
 Key = tuple[str, str]
@@ -74,22 +74,12 @@ class Capture:
 
 
 @dataclass(slots=True)
-class ParamGrad:
-    """A parameter gradient as the post-accumulate hook saw it, with its sum of squares taken
-    while it was still in cache (None when it must be recomputed at the step's close)."""
-
-    grad: Tensor
-    sq: Tensor | None
-    version: int
-
-
-@dataclass(slots=True)
 class ParamRow:
     """A watched parameter at the close of a step (``sharded``: its gradient is a ``DTensor``,
     measured whole by :mod:`graddebug_torch.sharded`).
 
-    One row per parameter lives as long as the adapter: each close fills in ``depth``, ``grad``
-    and ``sq`` and empties them after (:func:`graddebug_torch.params.param_rows`), so that a
+    One row per parameter lives as long as the adapter: each close fills in ``depth`` and
+    ``grad`` and empties ``grad`` after (:func:`graddebug_torch.params.param_rows`), so that a
     model of many small layers allocates no object per parameter and step. ``group`` numbers
     the small parameters of one shape, dtype and device (-1 for the others), whose norms are
     taken in one batched pass.
@@ -99,7 +89,6 @@ class ParamRow:
     tensor: str
     depth: int
     grad: Tensor | None
-    sq: Tensor | None
     keep: bool
     sharded: bool = False
     group: int = -1
@@ -266,9 +255,7 @@ class StepCaptures:
     """Everything captured in the open step; dropped when it closes.
 
     ``touched`` says that a parameter gradient arrived (recorded or not); ``transformed`` that
-    a watched module ran inside a ``torch.func`` transform, unrecorded; ``changed_in_place``
-    that the gradients were changed unseen by their version counters (a loss scaler
-    unscaling them), so the sums of squares taken in the hooks are stale.
+    a watched module ran inside a ``torch.func`` transform, unrecorded.
     """
 
     forward: ForwardChecks
@@ -282,13 +269,12 @@ class StepCaptures:
     # Through a lambda: dynamo, tracing a tap's first call in a compiled function, inlines
     # it, where calling the class as the factory would break the graph.
     hooks: GradHooks = field(default_factory=lambda: GradHooks())
-    received: dict[int, ParamGrad | Tensor] = field(default_factory=dict)
-    """What the post-accumulate hooks saw, by parameter index: a bare gradient is only held,
-    to be measured when the step closes."""
+    received: dict[int, Tensor] = field(default_factory=dict)
+    """The gradients the post-accumulate hooks held, by parameter index (measured when the
+    step closes)."""
     tap_requires_grad: bool = False
     touched: bool = False
     transformed: bool = False
-    changed_in_place: bool = False
 
     def add(self, key: Key, capture: Capture) -> int:
         """Add one call's capture of output ``key``; return how many came before it.
@@ -402,20 +388,18 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
             per_unit = torch.stack([_per_unit(c, staged) for c in calls]).amax(0)
             pooled[key] = batch.add(torch.count_nonzero(per_unit))
 
-    # Parameters: sums of squares taken in the backward hook, and one fused pass for the rest.
+    # Parameters: their norms in one fused pass (a batched one per group of small ones).
     # Sharded ones were combined over the ranks already.
     where_sharded = {id(p): i for i, p in enumerate(p for p in params if p.sharded)}
     local = [p for p in present if not p.sharded]
-    late = [p for p in local if p.sq is None]
-    early_slot = batch.add(_stack([p.sq for p in local if p.sq is not None])) \
-        if len(late) < len(local) else slice(0, 0)
-    late_grads: list[Tensor] = []
-    late_groups: list[int] = []
-    for p in late:
+    local_grads: list[Tensor] = []
+    local_groups: list[int] = []
+    for p in local:
         if p.grad is not None:
-            late_grads.append(_dense(p.grad) if p.grad.is_sparse else p.grad)
-            late_groups.append(p.group)
-    late_parts = [(order, batch.add(norms)) for order, norms in _norms(late_grads, late_groups)]
+            local_grads.append(_dense(p.grad) if p.grad.is_sparse else p.grad)
+            local_groups.append(p.group)
+    norm_parts = [(order, batch.add(norms))
+                  for order, norms in _norms(local_grads, local_groups)]
     full_slots = {id(p): batch.add(_full_stats(_dense(p.grad))) for p in local
                   if p.grad is not None} if full else {}
     sharded_slot = batch.add(sharded.values) if sharded is not None else slice(0, 0)
@@ -438,12 +422,11 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
             records.append(_repeated_row(step, key, depth, repeated, fetched,
                                          batch[pooled[key]][0] if key in pooled else None))
 
-    early = iter(batch[early_slot])
-    late_values = [0.0] * len(late_grads)
-    for order, slot in late_parts:
+    local_values = [0.0] * len(local_grads)
+    for order, slot in norm_parts:
         for i, value in zip(order, batch[slot], strict=True):
-            late_values[i] = value
-    late_norms = iter(late_values)
+            local_values[i] = value
+    local_norms = iter(local_values)
     whole_values = batch[sharded_slot]
     broken: list[tuple[ParamRow, Tensor, float, list[float] | None]] = []
     new_row, nan = tuple.__new__, math.nan
@@ -461,7 +444,7 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
                 continue
             records.append(_param_record(step, p, grad, norm, extra, (False, False)))
             continue
-        norm = math.sqrt(next(early)) if p.sq is not None else next(late_norms)
+        norm = next(local_norms)
         if full or not math.isfinite(norm) or grad.is_sparse:
             extra = batch[full_slots[id(p)]] if full else None
             records.append(_param_record(step, p, _dense(grad), norm, extra))
