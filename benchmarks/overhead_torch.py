@@ -1,4 +1,4 @@
-"""Step-time overhead of graddebug on PyTorch: watched over plain, median of interleaved rounds.
+"""Step-time overhead of graddebug on PyTorch: watched over plain, median over pairs of steps.
 
 Run by hand (it is a benchmark, not a test)::
 

@@ -1,6 +1,6 @@
-"""The method of ``benchmarks/overhead_torch.py``: the twins' pairs of single steps, the ratio over
-the pairs, the ratio of rounds where only some
-steps are recorded, and the bootstrap interval quoted next to each ratio."""
+"""The method of ``benchmarks/overhead_torch.py``: the twins' pairs of single steps, the ratio
+over the pairs, the ratio of rounds where only some steps are recorded, and the bootstrap
+interval quoted next to each ratio."""
 
 from __future__ import annotations
 
