@@ -20,13 +20,13 @@ twin and enters it around every round, so the plain twin never carries a graddeb
 one-off cost of entering and leaving (attaching and removing hooks) is timed separately, not
 charged to the steps, because a real run enters once for thousands of steps. The ratio of a config
 is the median over all its pairs of the watched step's time over the plain one's. Config (c)
-records one step in 10, which a median would hide: its ratio compares the mean over the positions
-of a round of each position's median step time over the rounds (``position_ratio``), watched
-over plain. Config (n) runs the watched twin plain too: its ratio is the method's own bias and
-noise. Next to each ratio the table gives its 95% bootstrap interval (the rounds resampled with
-replacement, the ratio taken again from each resample), and the result column says ``pass`` or
-``FAIL`` only when the whole interval lies on one side of the target, ``within noise`` when it
-holds the target.
+records one step in 10, which a median would hide: its ratio is the mean over the positions of
+a round of each position's median pair ratio over the rounds (``position_ratio``). Config (n)
+runs the watched twin plain too: its ratio is the method's own bias and noise. Next to each
+ratio the table gives its 95% bootstrap interval (the rounds resampled with replacement, the
+ratio taken again from each resample), and the result column says ``pass`` or ``FAIL`` only
+when the whole interval lies on one side of the target, ``within noise`` when it holds the
+target.
 
 With ``--compile`` both sides run ``torch.compile``d models, and the script also counts the graph
 breaks and compiled graphs of a few steps, plain and under each config, each from a clean dynamo
@@ -217,7 +217,7 @@ class Result:
         plain_ms: Median over the rounds paired with this config of the plain step time (ms).
         watched_ms: Median over rounds of the watched step time (ms).
         ratio: Median over every pair of (watched / plain) step time; with ``every=N``, the
-            ratio of the mean per-step costs of :func:`position_ratio`.
+            :func:`position_ratio` over the positions of a round.
         ratio_q1: First quartile of the per-round ratios.
         ratio_q3: Third quartile of the per-round ratios.
         ratio_low: Lower end of the 95% bootstrap interval of ``ratio`` (the rounds resampled
@@ -525,20 +525,20 @@ def position_ratio(watched: Sequence[Sequence[float]], plain: Sequence[Sequence[
     """Watched over plain per-step cost of rounds where only some steps are recorded.
 
     With ``every=N`` one step in N is recorded, at the same position of each round (rounds
-    hold a multiple of N steps and start on a recorded step), so the median of a round would
-    hide it and its mean is decided by the one or two steps that load from elsewhere slowed
-    down. Each position of the round takes the median of its times over the rounds instead,
-    which keeps what graddebug does at that position (the recorded step, the step after it)
-    and drops the bursts; the cost per step is the mean of these medians, on both sides alike.
+    hold a multiple of N pairs and start on a recorded step), so a median over the pairs would
+    hide it and a mean is decided by the few pairs that load from elsewhere hit unevenly. Each
+    position of the round takes the median over the rounds of its pairs' ratios instead, which
+    keeps what graddebug does at that position (the recorded step, the step after it), drops
+    the bursts and, like every pair, cancels the machine's drift; the ratio is the mean of
+    these medians over the positions (a plain step costs the same at every position).
 
     Args:
-        watched: Per round, every watched step's time, in order.
-        plain: Per round, every plain step's time, in order (the same number of steps).
+        watched: Per round, every watched step's time, in pair order.
+        plain: Per round, every plain step's time, in pair order (the same number of steps).
     """
-    def per_step(rounds: Sequence[Sequence[float]]) -> float:
-        return statistics.fmean(statistics.median(at) for at in zip(*rounds, strict=True))
-
-    return per_step(watched) / per_step(plain)
+    per_position = zip(*(pair_ratios(w, p) for w, p in zip(watched, plain, strict=True)),
+                       strict=True)
+    return statistics.fmean(statistics.median(at) for at in per_position)
 
 
 def pair_ratios(watched: Sequence[float], plain: Sequence[float]) -> list[float]:

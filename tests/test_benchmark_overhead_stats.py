@@ -38,6 +38,14 @@ def test_position_ratio_keeps_the_recorded_step_a_median_would_hide(bench):
     assert bench.position_ratio(watched, plain) == pytest.approx(120 / 100)
 
 
+def test_position_ratio_takes_each_position_s_median_pair_ratio(bench):
+    # Three rounds of three pairs; the first position is the recorded step.
+    watched = [[30.0, 11.0, 10.0], [33.0, 10.0, 12.0], [90.0, 20.0, 20.0]]
+    plain = [[10.0, 10.0, 10.0], [10.0, 10.0, 10.0], [30.0, 20.0, 10.0]]
+    # Pair ratios by position: (3.0, 3.3, 3.0), (1.1, 1.0, 1.0), (1.0, 1.2, 2.0).
+    assert bench.position_ratio(watched, plain) == pytest.approx((3.0 + 1.0 + 1.2) / 3)
+
+
 def test_the_interval_of_identical_rounds_is_their_ratio(bench):
     ratios = [1.07] * 9
 
