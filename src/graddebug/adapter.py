@@ -231,10 +231,6 @@ class Adapter(Protocol):
                 the watched parameters.
         """
 
-    def grads_changed_in_place(self) -> None:
-        """Say that parameter gradients changed in place, unseen by the framework (a loss
-        scaler unscaling them), so that the step measures them again when it closes."""
-
     def distribution(self) -> Distribution:
         """This process's rank, the world size and the backend (read on entering)."""
 
@@ -410,9 +406,6 @@ class BaseAdapter:
     def known_names(self) -> list[str]:
         """Every watched layer, model layer and tap name."""
         return list(dict.fromkeys([*self._layers, *self._model_layer_names()]))
-
-    def grads_changed_in_place(self) -> None:
-        """Nothing to do where gradients are not measured before the step closes."""
 
     def distribution(self) -> Distribution:
         """One process, not distributed (adapters of distributed frameworks override it)."""

@@ -228,8 +228,8 @@ class Watcher(RunResults):
     def adapter(self) -> Adapter | None:
         """The adapter serving this Watcher (None before a model, a param or a tap chose one).
 
-        Training callbacks call its protocol methods (``bind_optimizer``,
-        ``grads_changed_in_place``); its hooks and buffers are private.
+        Training callbacks call its protocol methods (``bind_optimizer``); its hooks and
+        buffers are private.
         """
         return self._adapter
 

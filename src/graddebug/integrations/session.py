@@ -115,12 +115,9 @@ class CallbackSession:
         watcher.__enter__()
         self.watcher = self._own = watcher
 
-    def close(self, *, changed_in_place: bool = False) -> ClosedStep:
-        """Close the graddebug step at an optimizer step.
-
-        Args:
-            changed_in_place: The host changed the gradients in place since backward (a loss
-                scaler unscaled them, clipping): they are measured again.
+    def close(self) -> ClosedStep:
+        """Close the graddebug step at an optimizer step. Parameter gradients are measured as
+        the close finds them, after any unscaling or clipping in place since backward.
 
         Returns:
             The norms to log and whether to stop.
@@ -129,8 +126,6 @@ class CallbackSession:
         if watcher is None or not watcher.active:
             return ClosedStep({}, False)
         step = watcher.step_index
-        if changed_in_place and watcher.adapter is not None:
-            watcher.adapter.grads_changed_in_place()
         result = watcher.step()
         if result is None:
             return ClosedStep({}, False)

@@ -88,9 +88,9 @@ class GradDebugCallback(SessionResults, pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
         """Close the graddebug step; log the norms and check ``stop_on`` if it was recorded."""
-        # Under AMP the scaler has just unscaled the gradients in place.
-        scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
-        closed = self._session.close(changed_in_place=scaled)
+        # Under AMP the scaler has just unscaled the gradients in place; the close reads them
+        # as they are now.
+        closed = self._session.close()
         if closed.metrics and trainer.loggers:
             for logger in trainer.loggers:
                 logger.log_metrics(closed.metrics, step=trainer.global_step)

@@ -109,8 +109,8 @@ class GradDebugCallback(SessionResults, TrainerCallback):
                               control: TrainerControl, **kwargs: Any) -> None:
         """Close the graddebug step; keep its norms for logging and check ``stop_on``."""
         # Since backward, the Trainer may have unscaled (AMP) and clipped the gradients in
-        # place; they are measured again, so the step records what the optimizer applies.
-        closed = self._session.close(changed_in_place=True)
+        # place; the close reads them as they are now, what the optimizer applies.
+        closed = self._session.close()
         if closed.metrics:
             self._pending = closed.metrics
         if closed.stop:
