@@ -64,7 +64,7 @@ from graddebug_torch.scaler import LossScaling
 from graddebug_torch.sharded import is_sharded, reduce_sharded
 from graddebug_torch.staging import SmallGrads
 from graddebug_torch.stats import (
-    acc_dtype,
+    DotSums,
     apply_intervention,
     square_sum,
     unit_extremes,
@@ -124,9 +124,10 @@ class TorchAdapter(BaseAdapter):
         self._params: list[TorchParam] = []
         self._handles: list[RemovableHandle] = []
         self._staging = SmallGrads()  # gradients
+        self._sums = DotSums()
         self._pause = CollectorPause()
         self._forward_staging = SmallGrads()  # outputs, for the forward check
-        self._state = StepCaptures(forward=ForwardChecks(self._forward_staging))
+        self._state = StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums))
         self._owners = ModuleOwners()
         self._grad_hooks: dict[tuple[str, str], Callable[[Tensor], Tensor | None]] = {}
         self._was_training: bool | None = None
@@ -512,9 +513,10 @@ class TorchAdapter(BaseAdapter):
             # The extremes (absmax, zero_frac) are two passes more: on full steps only.
             full = layer.keep or self._ctx.full_stats
             extremes = unit_extremes(seen, unit_dim) if full else None
+            sq, total = self._sums.sentinel(seen)
             capture = Capture(
-                sq=square_sum(seen),
-                total=seen.sum(dtype=acc_dtype(seen)),
+                sq=sq,
+                total=total,
                 extremes=extremes,
                 absmax=whole_absmax(seen) if full and extremes is None else None,
                 shape=shape_text(seen.shape),
@@ -532,7 +534,7 @@ class TorchAdapter(BaseAdapter):
     def _drop_step(self) -> None:
         self._pause.resume()
         self._state.hooks.remove()
-        self._state = StepCaptures(forward=ForwardChecks(self._forward_staging))
+        self._state = StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums))
         self._staging.clear()
         self._forward_staging.clear()
 

@@ -20,7 +20,7 @@ from graddebug.capture.layers import keep_label
 from graddebug.records import Event, EventKind, Kind, Record, sums_record
 from graddebug_torch.sharded import GlobalStats, OnBug, nonfinite_flags, row_values, whole
 from graddebug_torch.staging import GroupStats, SmallGrads, StagedGroup
-from graddebug_torch.stats import acc_dtype, finiteness, unit_summary
+from graddebug_torch.stats import DotSums, acc_dtype, finiteness, unit_summary
 
 __all__ = ["Capture", "CollectorPause", "ForwardChecks", "GradHooks", "ParamRow",
            "StepCaptures", "gather", "kept_array", "shape_text"]
@@ -191,10 +191,11 @@ class ForwardChecks:
     usual check adds no object that outlives the step's young collections.
     """
 
-    __slots__ = ("_groups", "_rows", "_staging", "_values", "depths", "keys")
+    __slots__ = ("_groups", "_rows", "_staging", "_sums", "_values", "depths", "keys")
 
-    def __init__(self, staging: SmallGrads) -> None:
+    def __init__(self, staging: SmallGrads, sums: DotSums | None = None) -> None:
         self._staging = staging
+        self._sums = sums
         self.keys: list[Key] = []
         self.depths: list[int] = []
         self._values: list[Tensor | None] = []
@@ -215,7 +216,7 @@ class ForwardChecks:
     def check(self, key: Key, depth: int, tensor: Tensor) -> None:
         """Add the check of output ``key``, a floating ``tensor``."""
         if not (tensor.requires_grad and SmallGrads.fits(tensor)):
-            self.add(key, depth, finiteness(tensor))
+            self.add(key, depth, finiteness(tensor, self._sums))
             return
         group = self._staging.group(tensor, None)
         self.keys.append(key)
