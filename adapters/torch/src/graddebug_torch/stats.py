@@ -1,10 +1,10 @@
 """Gradient statistics computed on the device, without host syncs or gradient-sized temporaries.
 
 A captured gradient costs four reductions in its hook: the sum of squares (a BLAS ``dot`` on the
-flat view, 2-4x faster than ``vector_norm`` on CPU), the sum (on CPU a ``dot`` with a ones
-vector, see :class:`DotSums`), and the per-unit max and min (``amax``/``amin``; the fused
-per-axis ``aminmax`` is 5-11x slower on CPU); a sentinel step measures the first two only. The
-per-unit extremes give ``absmax`` and the count of dead units; they are combined for all
+flat view, 2-4x faster than ``vector_norm`` on CPU), the sum (on CPU, for some sizes, a ``dot``
+with a ones vector: see :class:`DotSums`), and the per-unit max and min (``amax``/``amin``; the
+fused per-axis ``aminmax`` is 5-11x slower on CPU); a sentinel step measures the first two only.
+The per-unit extremes give ``absmax`` and the count of dead units; they are combined for all
 captures of a step at once, in :func:`unit_summary`. NaN propagates through ``dot``, ``amax``
 and ``amin``, so a NaN ``absmax`` marks a NaN gradient without counting entries.
 """
@@ -20,6 +20,7 @@ from graddebug.capture.layers import Intervention
 
 __all__ = [
     "DOT_SUM_LIMIT",
+    "PARALLEL_GRAIN",
     "DotSums",
         "acc_dtype",
     "apply_intervention",
@@ -64,21 +65,30 @@ def square_sum(grad: Tensor) -> Tensor:
     return out
 
 
-DOT_SUM_LIMIT = 1 << 20
-"""CPU gradients with at most this many entries are summed by a ``dot`` with ones."""
+PARALLEL_GRAIN = 32768
+"""ATen's grain size: a CPU reduction of more entries than this is split over threads."""
+
+DOT_SUM_LIMIT = 1 << 17
+"""CPU tensors of more than :data:`PARALLEL_GRAIN` and at most this many entries are summed by a
+``dot`` with ones (:class:`DotSums`)."""
 
 
 class DotSums:
-    """Sums of CPU tensors as a BLAS ``dot`` with a ones vector, for the per-step statistics.
+    """Sums of CPU tensors as a BLAS ``dot`` with a ones vector where that is cheaper, for the
+    per-step statistics.
 
-    Inside a training step on CPU, ATen's parallel ``sum`` of an output or gradient of 64k
-    entries takes about twice as long as a BLAS ``dot`` of the same tensor (self time in the
-    profiler: 27 us against 13 us on the benchmark's MLP), so a contiguous float32 or float64
-    CPU tensor of at most :data:`DOT_SUM_LIMIT` entries is summed as its ``dot`` with a ones
-    vector of its length; other tensors use ``sum``. One ones buffer per dtype is kept, as long
-    as the longest tensor summed so (rounded up to a power of two: at most 4 MB in float32),
-    with a view of it per length. The sum is NaN when an entry is, and stays finite when only
-    the squares of finite entries overflow.
+    ATen splits a reduction of more than :data:`PARALLEL_GRAIN` entries over its intra-op
+    threads. Inside a training step, for a tensor that fits in cache, the split costs more than
+    it saves: on the benchmark's MLP (2 threads, 64k-entry outputs) torch's profiler gives
+    ``sum`` 22 us of self time and ``dot`` with ones 10 us. Larger tensors stream from memory,
+    where ``dot`` reads twice the bytes of ``sum`` and loses (on its CNN, 262k-1M entries:
+    144 us against 73 us), and on one thread ``sum`` never splits and wins too. So a contiguous
+    float32 or float64 CPU tensor of more than :data:`PARALLEL_GRAIN` and at most
+    :data:`DOT_SUM_LIMIT` entries is summed as its ``dot`` with ones when torch runs more than
+    one thread; other tensors use ``sum``. One ones buffer per dtype is kept, as long as the
+    longest tensor summed so (a power of two, at most 512 KB in float32), with a view of it per
+    length. The sum is NaN when an entry is, and stays finite when only the squares of finite
+    entries overflow.
     """
 
     __slots__ = ("_buffers", "_views")
@@ -102,8 +112,9 @@ class DotSums:
         return tensor.sum(dtype=acc_dtype(tensor))
 
     def _flat_total(self, flat: Tensor) -> Tensor:
-        if flat.is_cpu and flat.numel() <= DOT_SUM_LIMIT:
-            ones = self._views.get((flat.dtype, flat.numel()))
+        n = flat.numel()
+        if PARALLEL_GRAIN < n <= DOT_SUM_LIMIT and flat.is_cpu and torch.get_num_threads() > 1:
+            ones = self._views.get((flat.dtype, n))
             return torch.dot(flat, ones if ones is not None else self._ones(flat))
         return flat.sum()
 
