@@ -22,7 +22,7 @@ __all__ = [
     "DOT_SUM_LIMIT",
     "PARALLEL_GRAIN",
     "DotSums",
-        "acc_dtype",
+    "acc_dtype",
     "apply_intervention",
     "finiteness",
     "square_sum",
@@ -81,9 +81,9 @@ class DotSums:
     threads. Inside a training step, for a tensor that fits in cache, the split costs more than
     it saves: on the benchmark's MLP (2 threads, 64k-entry outputs) torch's profiler gives
     ``sum`` 22 us of self time and ``dot`` with ones 10 us. Larger tensors stream from memory,
-    where ``dot`` reads twice the bytes of ``sum`` and loses (on its CNN, 262k-1M entries:
-    144 us against 73 us), and on one thread ``sum`` never splits and wins too. So a contiguous
-    float32 or float64 CPU tensor of more than :data:`PARALLEL_GRAIN` and at most
+    where ``dot`` reads twice the bytes of ``sum`` and loses (on its CNN, 262k-1M entries on
+    two threads, 78 us against 48 us), and on one thread ``sum`` never splits and wins too. So
+    a contiguous float32 or float64 CPU tensor of more than :data:`PARALLEL_GRAIN` and at most
     :data:`DOT_SUM_LIMIT` entries is summed as its ``dot`` with ones when torch runs more than
     one thread; other tensors use ``sum``. One ones buffer per dtype is kept, as long as the
     longest tensor summed so (a power of two, at most 512 KB in float32), with a view of it per

@@ -193,7 +193,7 @@ class ForwardChecks:
 
     __slots__ = ("_groups", "_rows", "_staging", "_sums", "_values", "depths", "keys")
 
-    def __init__(self, staging: SmallGrads, sums: DotSums | None = None) -> None:
+    def __init__(self, staging: SmallGrads, sums: DotSums) -> None:
         self._staging = staging
         self._sums = sums
         self.keys: list[Key] = []
