@@ -123,7 +123,7 @@ class DotSums:
         dtype, n = flat.dtype, flat.numel()
         buffer = self._buffers.get(dtype)
         if buffer is None or buffer.numel() < n:
-            size = min(max(1 << max(n - 1, 0).bit_length(), 64), DOT_SUM_LIMIT)
+            size = min(1 << (n - 1).bit_length(), DOT_SUM_LIMIT)  # n > PARALLEL_GRAIN
             buffer = self._buffers[dtype] = torch.ones(size, dtype=dtype)
             for key in [k for k in self._views if k[0] == dtype]:
                 del self._views[key]  # views of the old buffer would keep it alive
