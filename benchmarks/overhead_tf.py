@@ -1,4 +1,4 @@
-"""Step-time overhead of graddebug on TensorFlow/Keras: watched over plain, interleaved rounds.
+"""Step-time overhead of graddebug on TensorFlow/Keras: watched over plain, in pairs of steps.
 
 Run by hand (it is a benchmark, not a test)::
 
@@ -13,18 +13,24 @@ Three ways of training are measured for each workload:
   parameter statistics are computed inside the compiled step, and ``dbg.step()`` after it;
 - ``fit``: ``model.fit`` on an in-memory dataset, with ``dbg.callback()`` when watched.
 
-Configurations: (a) parameters only, (b) parameters and every layer output, and (f) the floor
+Configurations: (a) parameters only, (b) parameters and every layer output, (f) the floor
 of parameter capture without graddebug (each gradient's norm inside the compiled step, read in
-one transfer; the tf.function loops only). The table gives each row's distance to the floor.
+one transfer; the tf.function loops only), and (n) the null: both twins plain, what the method
+reads for a monitor that costs nothing. The table gives each row's distance to the floor.
 
-Plain and watched run in one process, on two copies of the model with the same weights, batch
-and optimizer settings, and alternate round by round (plain-watched, watched-plain, ...) so that
-slow drift of the machine favours neither. Each watched configuration enters its Watcher once, as
-a real run would; its train step is traced inside the ``with`` block, the plain one outside it,
-so the plain graph holds no graddebug op at all. A round's time is the median of its steps; in
-``fit``, a step is the time from one batch end to the next, read by a clock callback that both
-sides carry (so both sync per batch). The table quotes the median over rounds of the per-round
-ratio watched / plain.
+Plain and watched run in one process, on twin copies of the model with the same weights, batch
+and optimizer settings. Each watched configuration enters its Watcher once, as a real run would;
+its train step is traced inside the ``with`` block, the plain one outside it, so the plain graph
+holds no graddebug op at all. In the ``tf.function`` loops single steps are timed in pairs, one
+plain and one watched back to back, the order flipping from pair to pair and from round to
+round: load from elsewhere on a shared machine comes in bursts far longer than a step, so both
+steps of a pair meet the same load. The ratio is the median over every pair of watched / plain.
+``fit`` cannot run a single batch without its own set-up, so there a round is one plain and one
+watched ``fit`` call (in alternating order), a batch's time runs from one batch end to the next
+(read by a clock callback that both sides carry, so both sync per batch), and the ratio is the
+median over the rounds of each round's median watched batch over its median plain one. Each
+ratio comes with its 95% bootstrap interval over the rounds, and the result column says ``pass``
+or ``FAIL`` only when the whole interval lies on one side of the target (``benchmarks/ratios.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -54,6 +60,17 @@ from rich.console import Console
 from rich.table import Table
 
 import graddebug
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ratios.py, also when loaded by path
+from ratios import (
+    BOOTSTRAP_RESAMPLES,
+    bootstrap_interval,
+    pair_ratios,
+    pairs_estimator,
+    quartiles,
+    rounds_estimator,
+    verdict,
+)
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "overhead_tf.json"
 WORKLOADS: tuple[str, ...] = ("mlp", "cnn")
@@ -78,24 +95,56 @@ CONFIGS: tuple[Config, ...] = (
     # the compiled step (tf.linalg.global_norm of each), read to the host in one transfer; no
     # graddebug. The table gives each row's distance to it. fit has no row of its own.
     Config("f", "(f) floor: global_norm", {"floor": True}, math.inf),
+    # The method's own reading of a monitor that costs nothing: both twins plain.
+    Config("n", "(n) null: both twins plain", {"null": True}, math.inf),
 )
 
 
 @dataclass
 class Result:
-    """One (workload, loop, config) measurement."""
+    """One (workload, loop, config) measurement.
+
+    Attributes:
+        workload: Workload name.
+        loop: ``function``, ``function_opt`` or ``fit``.
+        config: Config key.
+        target: The ratio the config must stay under.
+        plain_ms: Median over the rounds of the plain round's median step time (ms).
+        watched_ms: The same for the watched side.
+        ratio: In the ``tf.function`` loops, the median over every pair of watched / plain;
+            in ``fit``, the median over the rounds of their ratios.
+        ratio_low: Lower end of the 95% bootstrap interval of ``ratio`` (the rounds resampled
+            with replacement).
+        ratio_high: Its upper end.
+        q1: First quartile of the rounds' ratios.
+        q3: Third quartile of the rounds' ratios.
+        verdict: ``"pass"`` when the whole interval lies under the target, ``"FAIL"`` when it
+            lies above, ``"within noise"`` when it holds the target.
+        rounds: Timed rounds.
+        recorded_steps: Steps the watcher recorded, warm-up included.
+        round_ratios: Every round's ratio, in round order.
+        plain_steps_ms: Every plain step's time (ms), per round: in pair order, or in ``fit``
+            batch by batch.
+        watched_steps_ms: The same for the watched side.
+    """
 
     workload: str
     loop: str
     config: str
-    plain_ms: float
-    watched_ms: float
-    ratio: float
-    q1: float
-    q3: float
     target: float
-    rounds: int
-    recorded_steps: int
+    plain_ms: float = math.nan
+    watched_ms: float = math.nan
+    ratio: float = math.nan
+    ratio_low: float = math.nan
+    ratio_high: float = math.nan
+    q1: float = math.nan
+    q3: float = math.nan
+    verdict: str = ""
+    rounds: int = 0
+    recorded_steps: int = 0
+    round_ratios: list[float] = field(default_factory=list)
+    plain_steps_ms: list[list[float]] = field(default_factory=list)
+    watched_steps_ms: list[list[float]] = field(default_factory=list)
 
 
 def build_model(name: str, seed: int = 0) -> tuple[keras.Model, np.ndarray, np.ndarray, Any]:
@@ -153,20 +202,41 @@ def make_step(model: keras.Model, loss_fn: Any, optimizer: Any,
     return step
 
 
-def time_function_round(step: Callable[..., Any], x: tf.Tensor, y: tf.Tensor, steps: int,
-                        dbg: graddebug.Watcher | None, hand_over: bool) -> float:
-    """Median seconds per step of ``steps`` calls (``dbg.step`` included); ``hand_over``
-    passes the gradients to ``dbg.step``."""
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        grads = step(x, y)
-        if dbg is not None:
-            dbg.step(grads if hand_over else None)
-        else:
-            grads[-1].numpy()  # the watched side syncs in dbg.step; so does the plain one
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed_step(step: Callable[..., Any], x: tf.Tensor, y: tf.Tensor,
+               dbg: graddebug.Watcher | None, hand_over: bool) -> float:
+    """Seconds of one call of ``step`` and ``dbg.step`` after it (``hand_over`` passes it the
+    gradients); without ``dbg``, of the call and the read of its last output, so that both
+    sides end on one transfer to the host."""
+    start = time.perf_counter()
+    grads = step(x, y)
+    if dbg is not None:
+        dbg.step(grads if hand_over else None)
+    else:
+        grads[-1].numpy()
+    return time.perf_counter() - start
+
+
+def time_function_pairs(plain: Callable[[], float], watched: Callable[[], float], pairs: int,
+                        watched_first: bool) -> tuple[list[float], list[float]]:
+    """Time ``pairs`` pairs of one plain and one watched step back to back, the order within
+    a pair flipping from pair to pair; return the plain and the watched steps' seconds, in
+    pair order.
+
+    Args:
+        plain: Runs and times one plain step.
+        watched: Runs and times one watched step.
+        pairs: How many pairs the round has.
+        watched_first: Whether the round's first pair starts with the watched step.
+    """
+    plain_times: list[float] = []
+    watched_times: list[float] = []
+    for k in range(pairs):
+        if (k % 2 == 0) != watched_first:
+            plain_times.append(plain())
+        watched_times.append(watched())
+        if (k % 2 == 0) == watched_first:
+            plain_times.append(plain())
+    return plain_times, watched_times
 
 
 class _BatchClock(keras.callbacks.Callback):
@@ -182,13 +252,14 @@ class _BatchClock(keras.callbacks.Callback):
 
 
 def time_fit_round(model: keras.Model, data: tf.data.Dataset, steps: int,
-                   callbacks: list[Any]) -> float:
-    """Median seconds per batch of one ``fit`` call over ``steps`` batches (the callbacks run
-    before the clock reads, so graddebug's work counts)."""
+                   callbacks: list[Any]) -> list[float]:
+    """Seconds of each batch but the first of one ``fit`` call over ``steps`` batches, from
+    one batch end to the next (the callbacks run before the clock reads, so graddebug's work
+    counts)."""
     clock = _BatchClock()
     model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
               callbacks=[*callbacks, clock])
-    return statistics.median(b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False))
+    return [b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False)]
 
 
 def twin(name: str) -> tuple[keras.Model, keras.Model, np.ndarray, np.ndarray, Any]:
@@ -201,13 +272,23 @@ def twin(name: str) -> tuple[keras.Model, keras.Model, np.ndarray, np.ndarray, A
 
 def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
           fit_steps: int) -> Result:
-    """Measure one configuration."""
+    """Measure one configuration: a warm-up round, then ``rounds`` timed ones.
+
+    Args:
+        workload: Workload name.
+        loop: ``function``, ``function_opt`` or ``fit``.
+        config: The configuration.
+        rounds: Timed rounds.
+        steps: Pairs of steps a round in the ``tf.function`` loops.
+        fit_steps: Batches of each ``fit`` call.
+    """
     plain, watched, x, y, loss = twin(workload)
-    ratios, plain_times, watched_times = [], [], []
+    res = Result(workload, loop, config.key, config.target, rounds=rounds)
     optimizer = keras.optimizers.SGD(1e-4)
     floor = bool(config.options.get("floor"))
+    bare = floor or bool(config.options.get("null"))  # no graddebug on either side
     options = {**config.options, **({"optimizer": optimizer} if loop == "function_opt" else {})}
-    with (contextlib.nullcontext() if floor else graddebug.watch(watched, **options)) as dbg:
+    with (contextlib.nullcontext() if bare else graddebug.watch(watched, **options)) as dbg:
         if loop in ("function", "function_opt"):
             xs, ys = tf.constant(x), tf.constant(y)
             plain_step = make_step(plain, loss, keras.optimizers.SGD(1e-4))
@@ -218,56 +299,65 @@ def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
                 dbg.step(grads)
             hand_over = loop == "function"
 
-            def run(side: str) -> float:
-                if side == "plain":
-                    return time_function_round(plain_step, xs, ys, steps, None, hand_over)
-                return time_function_round(watched_step, xs, ys, steps, dbg, hand_over)
+            def run(watched_first: bool) -> tuple[list[float], list[float]]:
+                return time_function_pairs(
+                    lambda: timed_step(plain_step, xs, ys, None, hand_over),
+                    lambda: timed_step(watched_step, xs, ys, dbg, hand_over),
+                    steps, watched_first)
         else:
             data = tf.data.Dataset.from_tensors((x, y)).repeat()
             for model in (plain, watched):
                 model.compile(optimizer=keras.optimizers.SGD(1e-4), loss=loss)
-            assert dbg is not None, "the floor has no fit row"
-            callback = dbg.callback()
+            callbacks = [] if dbg is None else [dbg.callback()]
             plain.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
             watched.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False,
-                        callbacks=[callback])
+                        callbacks=callbacks)
 
-            def run(side: str) -> float:
-                if side == "plain":
-                    return time_fit_round(plain, data, fit_steps, [])
-                return time_fit_round(watched, data, fit_steps, [callback])
+            def run(watched_first: bool) -> tuple[list[float], list[float]]:
+                if watched_first:
+                    watched_times = time_fit_round(watched, data, fit_steps, callbacks)
+                    return time_fit_round(plain, data, fit_steps, []), watched_times
+                plain_times = time_fit_round(plain, data, fit_steps, [])
+                return plain_times, time_fit_round(watched, data, fit_steps, callbacks)
 
-        run("plain")
-        run("watched")  # warm-up round
+        run(False)  # warm-up round
         for r in range(rounds):
-            order = ("plain", "watched") if r % 2 == 0 else ("watched", "plain")
-            got = {side: run(side) for side in order}
-            plain_times.append(got["plain"])
-            watched_times.append(got["watched"])
-            ratios.append(got["watched"] / got["plain"])
-    recorded = 0 if dbg is None else int(dbg.frame()["step"].nunique())
-    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-    return Result(workload, loop, config.key, 1e3 * statistics.median(plain_times),
-                  1e3 * statistics.median(watched_times), statistics.median(ratios), q1, q3,
-                  config.target, rounds, recorded)
+            plain_times, watched_times = run(watched_first=r % 2 == 1)
+            res.plain_steps_ms.append([t * 1e3 for t in plain_times])
+            res.watched_steps_ms.append([t * 1e3 for t in watched_times])
+            res.round_ratios.append(
+                statistics.median(pair_ratios(watched_times, plain_times)) if loop != "fit"
+                else statistics.median(watched_times) / statistics.median(plain_times))
+    res.recorded_steps = 0 if dbg is None else int(dbg.frame()["step"].nunique())
+    res.plain_ms = statistics.median(statistics.median(t) for t in res.plain_steps_ms)
+    res.watched_ms = statistics.median(statistics.median(t) for t in res.watched_steps_ms)
+    estimate = (rounds_estimator(res.round_ratios) if loop == "fit"
+                else pairs_estimator(res.watched_steps_ms, res.plain_steps_ms))
+    res.ratio = estimate(range(rounds))
+    res.ratio_low, res.ratio_high = bootstrap_interval(estimate, rounds)
+    res.q1, res.q3 = quartiles(res.round_ratios)
+    res.verdict = verdict(res.ratio_low, res.ratio_high, config.target)
+    return res
 
 
-def results_table(results: Sequence[Result]) -> Table:
-    """A rich table of the results."""
-    table = Table(title="graddebug overhead on TensorFlow/Keras (median of rounds)")
-    for column in ("workload", "loop", "config", "plain ms", "watched ms", "ratio", "IQR",
-                   "over floor", "target", "met"):
+def results_table(results: Sequence[Result], title: str) -> Table:
+    """A rich table of the results, with each row's distance to its loop's floor."""
+    table = Table(title=title, title_justify="left")
+    for column in ("workload", "loop", "config", "plain ms", "watched ms", "ratio",
+                   "95% interval", "over floor", "target", "result"):
         table.add_column(column, justify="right" if column not in ("workload", "loop") else "left")
     labels = {c.key: c.label for c in CONFIGS}
     floors = {(r.workload, r.loop): r.ratio for r in results if r.config == "f"}
     for r in results:
         floor = floors.get((r.workload, r.loop))
+        judged = math.isfinite(r.target)
+        colour = {"pass": "green", "FAIL": "red"}.get(r.verdict, "yellow")
         table.add_row(
             r.workload, r.loop, labels[r.config], f"{r.plain_ms:.2f}", f"{r.watched_ms:.2f}",
-            f"{r.ratio:.3f}", f"{r.q1:.2f}-{r.q3:.2f}",
-            f"{r.ratio - floor:+.3f}" if floor is not None and r.config != "f" else "",
-            f"<= {r.target:.2f}" if math.isfinite(r.target) else "",
-            ("yes" if r.ratio <= r.target else "no") if math.isfinite(r.target) else "")
+            f"{r.ratio:.3f}", f"{r.ratio_low:.3f}-{r.ratio_high:.3f}",
+            f"{r.ratio - floor:+.3f}" if floor is not None and judged else "",
+            f"<= {r.target:.2f}" if judged else "",
+            f"[{colour}]{r.verdict}[/{colour}]" if judged else "")
     return table
 
 
@@ -296,7 +386,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fit-steps", type=int, default=30,
                         help="steps per fit() call; enough to amortise fit's own set-up")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps_per_round < 1 or args.fit_steps < 2:
+        parser.error("--rounds and --steps-per-round must be >= 1, --fit-steps >= 2 (a batch "
+                     "is timed from the end of the one before)")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -310,16 +404,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if config.key not in args.configs or (config.key == "f" and loop == "fit"):
                     continue
                 console.log(f"{workload} / {loop} / {config.label}")
-                results.append(bench(workload, loop, config, args.rounds, args.steps_per_round,
-                                     args.fit_steps))
-    console.print(results_table(results))
+                res = bench(workload, loop, config, args.rounds, args.steps_per_round,
+                            args.fit_steps)
+                judged = f" {res.verdict}" if math.isfinite(config.target) else ""
+                console.log(f"  ratio {res.ratio:.3f} [{res.ratio_low:.3f}-{res.ratio_high:.3f}]"
+                            f"{judged}", style="dim")
+                results.append(res)
+    console.print(results_table(results, (
+        f"graddebug overhead, TF {tf.__version__} / Keras {keras.__version__}, {args.rounds} "
+        f"rounds of {args.steps_per_round} pairs of steps (fit: of one {args.fit_steps}-batch "
+        "call a side)")))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
+        "benchmark": "overhead_tf",
+        "method": "twin models in one process; tf.function loops: single steps timed in pairs "
+                  "(one plain, one watched, the order flipping from pair to pair and round to "
+                  "round), ratio the median over every pair of watched/plain; fit: a round is "
+                  "one plain and one watched fit call in alternating order, batch times from "
+                  "one batch end to the next, ratio the median over the rounds of the watched "
+                  "over the plain median batch; ratio_low/ratio_high: 95% percentile bootstrap "
+                  f"interval over {BOOTSTRAP_RESAMPLES} resamples of the rounds (seed 0)",
         "environment": environment(),
         "settings": {"rounds": args.rounds, "steps_per_round": args.steps_per_round,
-                     "fit_steps": args.fit_steps},
+                     "fit_steps": args.fit_steps, "workloads": args.workloads,
+                     "loops": args.loops, "configs": args.configs},
         "results": [asdict(r) for r in results],
-    }, indent=2))
+    }, indent=2) + "\n")
     console.print(f"wrote {args.json}")
     return 0
 

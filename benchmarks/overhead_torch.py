@@ -49,7 +49,6 @@ import json
 import math
 import platform
 import pstats
-import random
 import statistics
 import subprocess
 import sys
@@ -69,14 +68,22 @@ from torch._dynamo.utils import counters
 import graddebug
 from graddebug import Watcher
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ratios.py, also when loaded by path
+from ratios import (
+    BOOTSTRAP_RESAMPLES,
+    bootstrap_interval,
+    pair_ratios,
+    pairs_estimator,
+    quartiles,
+    verdict,
+)
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "overhead_torch.json"
 COMPILED_JSON = DEFAULT_JSON.with_name("overhead_torch_compile.json")
 WORKLOADS: tuple[str, ...] = ("mlp", "cnn", "transformer", "resnet18", "gpt2")
 DEFAULT_WORKLOADS: tuple[str, ...] = ("mlp", "cnn", "transformer")
-BOOTSTRAP_RESAMPLES = 2000
-"""Resamples of the rounds behind each ratio's 95% interval."""
 CENSUS_STEPS = 3
 """Steps run to count graph breaks and compiled graphs (a recompile shows from the second)."""
 GRADDEBUG_DIRS: tuple[str, ...] = ("/graddebug/", "/graddebug_torch/")
@@ -521,59 +528,6 @@ def time_steps(work: Workload, steps: int, dbg: Watcher | None, device: torch.de
     return statistics.median(step_times(work, steps, dbg, device))
 
 
-def position_ratio(watched: Sequence[Sequence[float]], plain: Sequence[Sequence[float]]) -> float:
-    """Watched over plain per-step cost of rounds where only some steps are recorded.
-
-    With ``every=N`` one step in N is recorded, at the same position of each round (rounds
-    hold a multiple of N pairs and start on a recorded step), so a median over the pairs would
-    hide it and a mean is decided by the few pairs that load from elsewhere hit unevenly. Each
-    position of the round takes the median over the rounds of its pairs' ratios instead, which
-    keeps what graddebug does at that position (the recorded step, the step after it), drops
-    the bursts and, like every pair, cancels the machine's drift; the ratio is the mean of
-    these medians over the positions (a plain step costs the same at every position).
-
-    Args:
-        watched: Per round, every watched step's time, in pair order.
-        plain: Per round, every plain step's time, in pair order (the same number of steps).
-    """
-    per_position = zip(*(pair_ratios(w, p) for w, p in zip(watched, plain, strict=True)),
-                       strict=True)
-    return statistics.fmean(statistics.median(at) for at in per_position)
-
-
-def pair_ratios(watched: Sequence[float], plain: Sequence[float]) -> list[float]:
-    """Each pair's watched step time over its plain step time (see :func:`time_pairs`)."""
-    return [w / p for w, p in zip(watched, plain, strict=True)]
-
-
-def _estimator(res: Result, every: int) -> Callable[[Sequence[int]], float]:
-    """The ratio of ``res`` taken over the rounds at the given indices (a round may come
-    more than once): the median of the ratios of all their pairs, or with ``every=N`` their
-    :func:`position_ratio`."""
-    if every > 1:
-        return lambda picked: position_ratio([res.watched_steps_ms[i] for i in picked],
-                                             [res.plain_steps_ms[i] for i in picked])
-    per_round = [pair_ratios(w, p) for w, p in zip(res.watched_steps_ms, res.plain_steps_ms,
-                                                   strict=True)]
-    return lambda picked: statistics.median(r for i in picked for r in per_round[i])
-
-
-def bootstrap_interval(estimate: Callable[[Sequence[int]], float], rounds: int,
-                       seed: int = 0) -> tuple[float, float]:
-    """The 95% percentile bootstrap interval of ``estimate``: the rounds resampled with
-    replacement :data:`BOOTSTRAP_RESAMPLES` times, each plain round with its watched one.
-
-    Args:
-        estimate: The ratio over the rounds at the given indices.
-        rounds: How many rounds there are.
-        seed: The resampling's seed, so that a run's interval can be reproduced from its JSON.
-    """
-    rng = random.Random(seed)
-    values = sorted(estimate(rng.choices(range(rounds), k=rounds))
-                    for _ in range(BOOTSTRAP_RESAMPLES))
-    return values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]
-
-
 def time_pairs(plain: Workload, watched: Workload, steps: int, watcher: Any,
                device: torch.device, watched_first: bool) -> tuple[list[float], list[float], float]:
     """Enter ``watcher`` on the watched twin, time ``steps`` pairs of single steps, leave it.
@@ -629,13 +583,6 @@ def _check_no_hooks(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if param._post_accumulate_grad_hooks or param._backward_hooks:
             raise RuntimeError(f"graddebug left a gradient hook on parameter {name!r}")
-
-
-def _quartiles(values: Sequence[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 def benchmark_workload(
@@ -718,14 +665,13 @@ def benchmark_workload(
         recorded_steps = (warmup + rounds) * steps
         res.plain_ms = statistics.median(res.plain_round_ms)
         res.watched_ms = statistics.median(res.watched_round_ms)
-        estimate = _estimator(res, watcher.every)
+        estimate = pairs_estimator(res.watched_steps_ms, res.plain_steps_ms, watcher.every)
         res.ratio = estimate(range(rounds))
         res.ratio_low, res.ratio_high = bootstrap_interval(estimate, rounds)
-        res.ratio_q1, res.ratio_q3 = _quartiles(res.round_ratios)
+        res.ratio_q1, res.ratio_q3 = quartiles(res.round_ratios)
         res.ratio_best = min(res.watched_round_ms) / min(res.plain_round_ms)
         res.passed = res.ratio <= config.target
-        res.verdict = ("pass" if res.ratio_high <= config.target else
-                       "FAIL" if res.ratio_low > config.target else "within noise")
+        res.verdict = verdict(res.ratio_low, res.ratio_high, config.target)
         res.rows_per_step = len(watcher.frame()) / recorded_steps
         res.findings = len(watcher.findings())
         res.enter_exit_ms = statistics.median(enter_exit[config.key])
@@ -810,12 +756,14 @@ def write_json(path: Path, results: Sequence[Result], settings: dict[str, Any]) 
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "overhead_torch",
-        "method": "median over rounds of watched/plain step time, a round's time being the "
-                  "median of its steps (with every=N: the mean over positions in the round of "
-                  "each position's median step time over the rounds, on both sides); rounds "
-                  "interleaved, order flipped every round; enter/exit of the with block not in "
-                  "the steps; ratio_low/ratio_high: 95% percentile bootstrap interval over "
-                  f"{BOOTSTRAP_RESAMPLES} resamples of the rounds (seed 0)",
+        "method": "twin models in one process; single steps timed in pairs (one plain, one "
+                  "watched, back to back, the order flipping from pair to pair and round to "
+                  "round); ratio: the median over every pair of watched/plain (with every=N: "
+                  "for each position in the round, the median over the rounds of its pairs' "
+                  "ratios, averaged over the positions); configs take turns round by round; "
+                  "enter/exit of the with block not in the steps; ratio_low/ratio_high: 95% "
+                  f"percentile bootstrap interval over {BOOTSTRAP_RESAMPLES} resamples of the "
+                  "rounds (seed 0)",
         "settings": settings,
         "environment": environment(),
         "results": [asdict(r) for r in results],

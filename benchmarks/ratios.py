@@ -1,0 +1,116 @@
+"""The statistics of the overhead benchmarks: ratios of watched over plain step times, taken in
+pairs of single steps, their 95% bootstrap intervals, and the verdict against a target.
+
+Shared by ``overhead_torch.py`` and ``overhead_tf.py``; it imports no framework. A round is a
+run of pairs (or, for ``model.fit``, one plain and one watched ``fit`` call); the intervals
+resample whole rounds, each plain round with its watched one.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Sequence
+
+__all__ = ["BOOTSTRAP_RESAMPLES", "Estimate", "bootstrap_interval", "pair_ratios",
+           "pairs_estimator", "position_ratio", "quartiles", "rounds_estimator", "verdict"]
+
+BOOTSTRAP_RESAMPLES = 2000
+"""Resamples of the rounds behind each ratio's 95% interval."""
+
+Estimate = Callable[[Sequence[int]], float]
+"""A ratio taken over the rounds at the given indices (a round may come more than once)."""
+
+
+def pair_ratios(watched: Sequence[float], plain: Sequence[float]) -> list[float]:
+    """Each pair's watched step time over its plain step time.
+
+    Raises:
+        ValueError: The two sides hold different numbers of steps.
+    """
+    return [w / p for w, p in zip(watched, plain, strict=True)]
+
+
+def position_ratio(watched: Sequence[Sequence[float]], plain: Sequence[Sequence[float]]) -> float:
+    """Watched over plain per-step cost of rounds where only some steps are recorded.
+
+    With ``every=N`` one step in N is recorded, at the same position of each round (rounds
+    hold a multiple of N pairs and start on a recorded step), so a median over the pairs would
+    hide it and a mean is decided by the few pairs that load from elsewhere hit unevenly. Each
+    position of the round takes the median over the rounds of its pairs' ratios instead, which
+    keeps what graddebug does at that position (the recorded step, the step after it), drops
+    the bursts and, like every pair, cancels the machine's drift; the ratio is the mean of
+    these medians over the positions (a plain step costs the same at every position).
+
+    Args:
+        watched: Per round, every watched step's time, in pair order.
+        plain: Per round, every plain step's time, in pair order (the same number of steps).
+    """
+    per_position = zip(*(pair_ratios(w, p) for w, p in zip(watched, plain, strict=True)),
+                       strict=True)
+    return statistics.fmean(statistics.median(at) for at in per_position)
+
+
+def pairs_estimator(watched: Sequence[Sequence[float]], plain: Sequence[Sequence[float]],
+                    every: int = 1) -> Estimate:
+    """The ratio of rounds of pairs: the median of the ratios of all the picked rounds' pairs,
+    or with ``every`` above 1 their :func:`position_ratio`.
+
+    Args:
+        watched: Per round, every watched step's time, in pair order.
+        plain: Per round, every plain step's time, in pair order.
+        every: The watch's ``every=``: one step in this many is recorded.
+    """
+    if every > 1:
+        return lambda picked: position_ratio([watched[i] for i in picked],
+                                             [plain[i] for i in picked])
+    per_round = [pair_ratios(w, p) for w, p in zip(watched, plain, strict=True)]
+    return lambda picked: statistics.median(r for i in picked for r in per_round[i])
+
+
+def rounds_estimator(round_ratios: Sequence[float]) -> Estimate:
+    """The ratio of rounds that are not made of pairs (``model.fit`` calls): the median of the
+    picked rounds' own ratios."""
+    return lambda picked: statistics.median(round_ratios[i] for i in picked)
+
+
+def bootstrap_interval(estimate: Estimate, rounds: int, seed: int = 0) -> tuple[float, float]:
+    """The 95% percentile bootstrap interval of ``estimate``: the rounds resampled with
+    replacement :data:`BOOTSTRAP_RESAMPLES` times, each plain round with its watched one.
+
+    Args:
+        estimate: The ratio over the rounds at the given indices.
+        rounds: How many rounds there are.
+        seed: The resampling's seed, so that a run's interval can be reproduced from its JSON.
+
+    Raises:
+        ValueError: ``rounds`` is below 1.
+    """
+    if rounds < 1:
+        raise ValueError(f"a bootstrap interval needs at least one round, got {rounds}")
+    rng = random.Random(seed)
+    values = sorted(estimate(rng.choices(range(rounds), k=rounds))
+                    for _ in range(BOOTSTRAP_RESAMPLES))
+    return values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]
+
+
+def verdict(low: float, high: float, target: float) -> str:
+    """``"pass"`` when the whole interval ``[low, high]`` lies at or under ``target``,
+    ``"FAIL"`` when it lies above, ``"within noise"`` when it holds the target."""
+    if high <= target:
+        return "pass"
+    return "FAIL" if low > target else "within noise"
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``values`` (both the value itself for one value).
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("quartiles of no values")
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]

@@ -1,0 +1,71 @@
+"""The method of ``benchmarks/overhead_tf.py``: pairs of single steps in the ``tf.function``
+loops, one ``fit`` call a side and round, and what a result holds (its statistics are tested in
+``test_benchmark_ratios.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead_tf.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("overhead_tf_under_test", _PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_pairs_alternate_single_steps_and_flip_their_order(bench):
+    log: list[str] = []
+
+    def side(name: str, seconds: float):
+        def run() -> float:
+            log.append(name)
+            return seconds
+        return run
+
+    plain, watched = bench.time_function_pairs(side("plain", 1.0), side("watched", 2.0), 3,
+                                               watched_first=True)
+    assert log == ["watched", "plain", "plain", "watched", "watched", "plain"]
+    assert plain == [1.0] * 3 and watched == [2.0] * 3
+    log.clear()
+    bench.time_function_pairs(side("plain", 1.0), side("watched", 2.0), 2, watched_first=False)
+    assert log == ["plain", "watched", "watched", "plain"]
+
+
+@pytest.mark.parametrize("loop", ["function", "fit"])
+def test_a_result_holds_every_round_and_its_ratio(bench, loop):
+    config = next(c for c in bench.CONFIGS if c.key == "a")
+    res = bench.bench("mlp", loop, config, rounds=2, steps=2, fit_steps=3)
+    assert len(res.plain_steps_ms) == len(res.watched_steps_ms) == 2
+    # Two pairs a round, or the two batches after the first of a three-batch fit call.
+    assert all(len(r) == 2 for r in res.plain_steps_ms + res.watched_steps_ms)
+    assert all(t > 0 for r in res.plain_steps_ms + res.watched_steps_ms for t in r)
+    if loop == "function":
+        pairs = [w / p for ws, ps in zip(res.watched_steps_ms, res.plain_steps_ms, strict=True)
+                 for w, p in zip(ws, ps, strict=True)]
+        assert res.ratio == pytest.approx(statistics.median(pairs))
+        # The traced step's own step, the warm-up round's two, the timed rounds' four.
+        assert res.recorded_steps == 1 + 2 + 4
+    else:
+        rounds = [statistics.median(w) / statistics.median(p)
+                  for w, p in zip(res.watched_steps_ms, res.plain_steps_ms, strict=True)]
+        assert res.ratio == pytest.approx(statistics.median(rounds))
+        # Two warm-up batches, then three batches a fit call: the warm-up round's and two more.
+        assert res.recorded_steps == 2 + 3 + 2 * 3
+    assert res.ratio_low <= res.ratio <= res.ratio_high
+    assert res.verdict in ("pass", "FAIL", "within noise")
