@@ -3,28 +3,16 @@ statistics are tested in ``test_benchmark_ratios.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from benchmark_scripts import loaded
 
 pytest.importorskip("torch")
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead_torch.py"
-
-
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("overhead_torch_under_test", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building
-    try:
-        spec.loader.exec_module(module)
+    with loaded("overhead_torch") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def test_time_pairs_alternates_single_steps_and_the_plain_twin_never_carries_a_hook(bench):

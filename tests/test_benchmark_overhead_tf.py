@@ -4,29 +4,18 @@ loops, one ``fit`` call a side and round, and what a result holds (its statistic
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import loaded
+
 pytest.importorskip("tensorflow")
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead_tf.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("overhead_tf_under_test", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building
-    try:
-        spec.loader.exec_module(module)
+    with loaded("overhead_tf") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def test_pairs_alternate_single_steps_and_flip_their_order(bench):

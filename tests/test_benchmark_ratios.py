@@ -4,28 +4,18 @@ rounds, the bootstrap interval quoted next to each, and the verdict against a ta
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ratios.py"
+from benchmark_scripts import loaded
 
 
 @pytest.fixture(scope="module")
 def ratios():
-    spec = importlib.util.spec_from_file_location("ratios_under_test", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with loaded("ratios") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def test_position_ratio_keeps_the_recorded_step_a_median_would_hide(ratios):
