@@ -2,26 +2,28 @@
 
 Run by hand (it is a benchmark, not a test)::
 
-    python benchmarks/overhead_tf.py                         # both workloads, both loops
+    python benchmarks/overhead_tf.py                         # every workload, loop and config
     python benchmarks/overhead_tf.py --workloads mlp --loops function --rounds 21
 
-Three ways of training are measured for each workload:
+Four ways of training are measured for each workload:
 
 - ``function``: a custom ``tf.function`` train step (forward, loss, ``tape.gradient``,
   ``optimizer.apply_gradients``) with ``dbg.step(grads)`` after it when watched;
 - ``function_opt``: the same step, watched with ``watch(model, optimizer=opt)``, so that the
   parameter statistics are computed inside the compiled step, and ``dbg.step()`` after it;
+- ``eager``: the ``function`` step run eagerly, op by op (a ``GradientTape`` loop with no
+  ``tf.function``), with ``dbg.step(grads)`` after it when watched;
 - ``fit``: ``model.fit`` on an in-memory dataset, with ``dbg.callback()`` when watched.
 
 Configurations: (a) parameters only, (b) parameters and every layer output, (f) the floor
 of parameter capture without graddebug (each gradient's norm inside the compiled step, read in
-one transfer; the tf.function loops only), and (n) the null: both twins plain, what the method
+one transfer; not in ``fit``), and (n) the null: both twins plain, what the method
 reads for a monitor that costs nothing. The table gives each row's distance to the floor.
 
 Plain and watched run in one process, on twin copies of the model with the same weights, batch
 and optimizer settings. Each watched configuration enters its Watcher once, as a real run would;
 its train step is traced inside the ``with`` block, the plain one outside it, so the plain graph
-holds no graddebug op at all. In the ``tf.function`` loops single steps are timed in pairs, one
+holds no graddebug op at all. In every loop but ``fit`` single steps are timed in pairs, one
 plain and one watched back to back, the order flipping from pair to pair and from round to
 round: load from elsewhere on a shared machine comes in bursts far longer than a step, so both
 steps of a pair meet the same load. The ratio is the median over every pair of watched / plain.
@@ -74,7 +76,7 @@ from ratios import (
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "overhead_tf.json"
 WORKLOADS: tuple[str, ...] = ("mlp", "cnn")
-LOOPS: tuple[str, ...] = ("function", "function_opt", "fit")
+LOOPS: tuple[str, ...] = ("function", "function_opt", "eager", "fit")
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class Result:
         target: The ratio the config must stay under.
         plain_ms: Median over the rounds of the plain round's median step time (ms).
         watched_ms: The same for the watched side.
-        ratio: In the ``tf.function`` loops, the median over every pair of watched / plain;
+        ratio: In every loop but ``fit``, the median over every pair of watched / plain;
             in ``fit``, the median over the rounds of their ratios.
         ratio_low: Lower end of the 95% bootstrap interval of ``ratio`` (the rounds resampled
             with replacement).
@@ -184,12 +186,12 @@ def build_model(name: str, seed: int = 0) -> tuple[keras.Model, np.ndarray, np.n
 
 
 def make_step(model: keras.Model, loss_fn: Any, optimizer: Any,
-              norms: bool = False) -> Callable[..., Any]:
+              norms: bool = False, eager: bool = False) -> Callable[..., Any]:
     """A compiled train step returning the gradients (traced on its first call); with
     ``norms``, also, last, the norm of every parameter gradient (the floor (f): the cheapest
-    parameter capture, one reduction a gradient, inside the compiled step)."""
+    parameter capture, one reduction a gradient, inside the step); with ``eager``, the same
+    step run eagerly, op by op."""
 
-    @tf.function
     def step(x: tf.Tensor, y: tf.Tensor) -> list[tf.Tensor]:
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
@@ -199,7 +201,7 @@ def make_step(model: keras.Model, loss_fn: Any, optimizer: Any,
             return [*grads, tf.stack([tf.linalg.global_norm([g]) for g in grads])]
         return grads
 
-    return step
+    return step if eager else tf.function(step)
 
 
 def timed_step(step: Callable[..., Any], x: tf.Tensor, y: tf.Tensor,
@@ -279,7 +281,7 @@ def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
         loop: ``function``, ``function_opt`` or ``fit``.
         config: The configuration.
         rounds: Timed rounds.
-        steps: Pairs of steps a round in the ``tf.function`` loops.
+        steps: Pairs of steps a round in every loop but ``fit``.
         fit_steps: Batches of each ``fit`` call.
     """
     plain, watched, x, y, loss = twin(workload)
@@ -289,15 +291,16 @@ def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
     bare = floor or bool(config.options.get("null"))  # no graddebug on either side
     options = {**config.options, **({"optimizer": optimizer} if loop == "function_opt" else {})}
     with (contextlib.nullcontext() if bare else graddebug.watch(watched, **options)) as dbg:
-        if loop in ("function", "function_opt"):
+        if loop != "fit":
             xs, ys = tf.constant(x), tf.constant(y)
-            plain_step = make_step(plain, loss, keras.optimizers.SGD(1e-4))
-            watched_step = make_step(watched, loss, optimizer, norms=floor)
+            eager = loop == "eager"
+            plain_step = make_step(plain, loss, keras.optimizers.SGD(1e-4), eager=eager)
+            watched_step = make_step(watched, loss, optimizer, norms=floor, eager=eager)
             plain_step(xs, ys)
             grads = watched_step(xs, ys)  # trace both before timing
             if dbg is not None:
                 dbg.step(grads)
-            hand_over = loop == "function"
+            hand_over = loop != "function_opt"
 
             def run(watched_first: bool) -> tuple[list[float], list[float]]:
                 return time_function_pairs(
@@ -417,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "benchmark": "overhead_tf",
-        "method": "twin models in one process; tf.function loops: single steps timed in pairs "
+        "method": "twin models in one process; function, function_opt and eager: single steps "
+                  "timed in pairs "
                   "(one plain, one watched, the order flipping from pair to pair and round to "
                   "round), ratio the median over every pair of watched/plain; fit: a round is "
                   "one plain and one watched fit call in alternating order, batch times from "
