@@ -326,9 +326,9 @@ def test_eager_statistics_are_compiled_once_not_once_per_layer():
 
     keras.utils.set_random_seed(0)
     model = relu_mlp(depth=8, width=24, inputs=40, classes=7)  # shapes no other test uses
-    before = tf_adapter._write_activation.experimental_get_tracing_count()
+    before = tf_adapter._write_activation.function.experimental_get_tracing_count()
     with graddebug.watch(model) as dbg:
         train(model, batches(2, (6, 40), classes=7), dbg)
     assert dbg.frame()["layer"].nunique() == 15
     # reduce_retracing generalises the shapes; the buffer row is a tensor, not a constant.
-    assert tf_adapter._write_activation.experimental_get_tracing_count() - before <= 2
+    assert tf_adapter._write_activation.function.experimental_get_tracing_count() - before <= 2

@@ -14,7 +14,13 @@ from graddebug.errors import ConfigError, GradientCountError
 from graddebug_tensorflow.buffers import StateBuffers
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.replicas import replica_index
-from graddebug_tensorflow.stats import PARAM_WIDTH, compiled, param_row, unscale_param_rows
+from graddebug_tensorflow.stats import (
+    EAGER_TENSOR,
+    PARAM_WIDTH,
+    compiled,
+    param_row,
+    unscale_param_rows,
+)
 
 __all__ = ["UNMEASURED", "Param", "ParamSet"]
 
@@ -48,8 +54,6 @@ def _param_rows(grads: list[Any], full: bool, scale: Any) -> tf.Tensor:
 _rows = compiled(_param_rows)
 
 
-_EAGER = type(tf.constant(0.0))
-"""The class of eager tensors, whose ``_shape_tuple()`` reads the shape without a TensorShape."""
 
 
 def _where(position: int, var: Any) -> str:
@@ -68,7 +72,7 @@ def _check_given(position: int, grad: Any, var: Any, expected: tuple[tuple[int, 
     """
     if grad is None:
         return
-    if (type(grad) is _EAGER and grad._shape_tuple() == expected[0]
+    if (type(grad) is EAGER_TENSOR and grad._shape_tuple() == expected[0]
             and grad.dtype is expected[1]):
         return  # the usual gradient, checked without building a TensorShape (~10 us each)
     if isinstance(grad, tf.distribute.DistributedValues):

@@ -1,0 +1,138 @@
+"""Eager capture's cheaper paths: the row writers called through their traces' flat entry
+points (``FlatWriter``), and the recording identity recorded on the tape directly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import graddebug  # noqa: E402
+import graddebug_tensorflow.adapter as tf_adapter  # noqa: E402
+from graddebug_tensorflow.stats import (  # noqa: E402
+    ACT_WIDTH,
+    Col,
+    FlatWriter,
+    compiled,
+    write_activation,
+    write_forward,
+)
+from tf_models import relu_mlp  # noqa: E402
+
+_ACTIVATION = compiled(write_activation)
+_FORWARD = compiled(write_forward)
+
+
+def _rows() -> tuple[tf.Variable, tf.Variable]:
+    return (tf.Variable(tf.zeros([8, ACT_WIDTH], tf.float64)),
+            tf.Variable(tf.zeros([8, ACT_WIDTH], tf.float64)))
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize(("shape", "axis"), [((16, 24), 1), ((4, 5, 6), 2), ((30,), None)])
+def test_a_flat_call_writes_the_row_the_function_writes(full, shape, axis):
+    writer = FlatWriter(_ACTIVATION)
+    forward = FlatWriter(_FORWARD)
+    flat, reference = _rows()
+    grad = tf.random.stateless_normal(shape, seed=[1, len(shape)])
+    for row in (0, 5):  # the same trace serves every row
+        writer(flat, tf.constant(row), grad * (row + 1), None, axis, None, full)
+        _ACTIVATION(reference, tf.constant(row), grad * (row + 1), None, axis, None, full)
+        forward(flat, tf.constant(row), grad, row == 0)
+        _FORWARD(reference, tf.constant(row), grad, row == 0)
+    np.testing.assert_array_equal(flat.numpy(), reference.numpy())
+    # The statistics themselves, against numpy.
+    g = grad.numpy().astype(np.float64) * 6
+    np.testing.assert_allclose(flat.numpy()[5, Col.SQ], np.sum(g * g), rtol=1e-5)
+    np.testing.assert_allclose(flat.numpy()[5, Col.SUM], np.sum(g), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(flat.numpy()[0, Col.FWD_SUM], np.sum(grad.numpy()), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_a_flat_call_traces_once_per_shape_and_flags():
+    writer = FlatWriter(compiled(write_activation))  # a function of its own, to count traces
+    var, _ = _rows()
+    grad = tf.ones((3, 7))
+    for row in range(4):
+        writer(var, tf.constant(row), grad, None, 1, None, False)
+    writer(var, tf.constant(0), grad, None, 1, None, True)
+    assert writer.function.experimental_get_tracing_count() == 2
+    writer(var, tf.constant(1), grad * 2, None, 1, None, True)
+    assert writer.function.experimental_get_tracing_count() == 2
+
+
+def test_a_tensor_among_the_arguments_goes_through_the_function():
+    writer = FlatWriter(_ACTIVATION)
+    flat, reference = _rows()
+    grad = tf.fill((4, 3), 2.0)
+    pre = tf.fill((4, 3), 4.0)
+    scale = tf.constant(2.0, tf.float64)
+    writer(flat, tf.constant(2), grad, pre, 1, scale, True)
+    _ACTIVATION(reference, tf.constant(2), grad, pre, 1, scale, True)
+    np.testing.assert_array_equal(flat.numpy(), reference.numpy())
+    # Unscaled by 2: each of the 12 entries is 1, their pre-intervention values 2.
+    assert flat.numpy()[2, Col.SQ] == pytest.approx(12.0)
+    assert flat.numpy()[2, Col.PRE_SQ] == pytest.approx(48.0)
+
+
+def test_inside_a_tf_function_it_writes_as_the_function_does():
+    writer = FlatWriter(_FORWARD)
+    flat, reference = _rows()
+
+    @tf.function
+    def both(x):
+        writer(flat, tf.constant(3), x, True)
+        _FORWARD(reference, tf.constant(3), x, True)
+
+    both(tf.fill((2, 2), 1.5))
+    np.testing.assert_array_equal(flat.numpy(), reference.numpy())
+    assert flat.numpy()[3, Col.FWD_SUM] == pytest.approx(6.0)
+
+
+def test_the_eager_identity_passes_the_gradient_on_and_hands_it_to_its_hook():
+    x = tf.Variable([[1.0, -2.0], [3.0, 0.5]])
+    seen = []
+
+    def hook(dy):
+        seen.append(dy.numpy())
+        return dy * 3.0
+
+    with tf.GradientTape() as tape:
+        h = x * 2.0
+        out = tf_adapter._eager_identity(h, hook)
+        loss = tf.reduce_sum(tf.square(out))
+    grad = tape.gradient(loss, x)
+    # d loss / d out = 2 * out = 4x; the hook triples it; d h / d x = 2.
+    np.testing.assert_allclose(seen[0], 4 * x.numpy())
+    np.testing.assert_allclose(grad.numpy(), 2 * 3 * 4 * x.numpy())
+    np.testing.assert_array_equal(out.numpy(), h.numpy())
+
+
+@pytest.mark.parametrize("compiled_step", [False, True])
+def test_watched_outputs_match_tape_gradient_eager_and_compiled(compiled_step):
+    keras.utils.set_random_seed(3)
+    model = relu_mlp(depth=3, width=12, inputs=9, classes=4)
+    probe = keras.Model(model.inputs, [layer.output for layer in model.layers[1:]])
+    x = tf.random.stateless_normal((5, 9), seed=[4, 2])
+    with tf.GradientTape() as tape:
+        outs = probe(x, training=True)
+        loss = tf.reduce_mean(tf.square(outs[-1]))
+    want = tape.gradient(loss, [*outs, *model.trainable_variables])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    with graddebug.watch(model) as dbg:
+        grads = (tf.function(step) if compiled_step else step)()
+        dbg.step(grads)
+    for got, ref in zip(grads, want[len(outs):], strict=True):
+        np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-5, atol=1e-7)
+    frame = dbg.frame()
+    acts = frame[frame["kind"] == "activation"].set_index("layer")
+    names = [layer.name for layer in model.layers[1:]]
+    for name, ref in zip(names, want[: len(outs)], strict=True):
+        assert acts.loc[name, "norm"] == pytest.approx(np.linalg.norm(ref.numpy()), rel=1e-5)
