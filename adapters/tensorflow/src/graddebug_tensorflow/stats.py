@@ -255,7 +255,8 @@ class FlatWriter:
     tensor are all Python values (None, bools, ints: they pick the trace), with an eager
     tensor and a plain resource variable, goes through the trace kept for them, the tensor's
     shape and dtype and the variable's; any other call (a loss scale among the arguments, a
-    symbolic tensor, a variable of a distribution strategy) goes through the ``tf.function``.
+    symbolic tensor, a distributed variable rather than one of its components) goes through
+    the ``tf.function``.
 
     Args:
         function: The writer as one ``tf.function`` (:func:`compiled`), shared by every
