@@ -54,8 +54,6 @@ def _param_rows(grads: list[Any], full: bool, scale: Any) -> tf.Tensor:
 _rows = compiled(_param_rows)
 
 
-
-
 def _where(position: int, var: Any) -> str:
     """The gradient an error message is about (built only for the message)."""
     name = getattr(var, "path", None) or getattr(var, "name", "?")
