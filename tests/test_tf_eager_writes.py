@@ -136,3 +136,34 @@ def test_watched_outputs_match_tape_gradient_eager_and_compiled(compiled_step):
     names = [layer.name for layer in model.layers[1:]]
     for name, ref in zip(names, want[: len(outs)], strict=True):
         assert acts.loc[name, "norm"] == pytest.approx(np.linalg.norm(ref.numpy()), rel=1e-5)
+
+
+def _cut_after_relu() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    relu = keras.layers.ReLU(name="r1")(keras.layers.Dense(8, name="d1")(inputs))
+    cut = keras.layers.Lambda(tf.stop_gradient, name="cut")(relu)
+    side = keras.layers.Dense(8, name="d2")(inputs)
+    out = keras.layers.Dense(3, name="head")(keras.layers.Add(name="add")([cut, side]))
+    return keras.Model(inputs, out)
+
+
+@pytest.mark.parametrize("compiled_step", [False, True])
+def test_a_layer_with_no_forward_check_that_ran_but_got_no_gradient_is_unreached(compiled_step):
+    # ReLU has no finiteness check: eagerly, its forward flag is set on the host at the close.
+    model = _cut_after_relu()
+    x = tf.ones((4, 6))
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    with graddebug.watch(model) as dbg:
+        for _ in range(2):
+            dbg.step((tf.function(step) if compiled_step else step)())
+    events = dbg.events()
+    unreached = events[events["event"] == "unreached"]
+    assert sorted(unreached["layer"]) == ["d1", "d1", "r1", "r1"]
+    assert sorted(unreached["step"]) == [0, 0, 1, 1]
+    assert not {"r1", "d1"} & set(dbg.frame()["layer"])

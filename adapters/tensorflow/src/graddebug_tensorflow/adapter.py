@@ -143,6 +143,9 @@ class TensorFlowAdapter(BaseAdapter):
         )
         self._patches: list[_Patch] = []
         self._eager_calls: dict[tuple[str, str, int], int] = {}
+        # Rows whose layer ran forward eagerly in the open step with no finiteness check to
+        # write (see _watch): their forward flag is set on the host when the step closes.
+        self._ran_forward: list[int] = []
         self._peeked: Rows | None = None  # see has_pending(closing=True)
         self._fused_close: Any = None  # see _close_given
         # the fused close's concrete function and flat entry point, by which gradients are None
@@ -216,6 +219,7 @@ class TensorFlowAdapter(BaseAdapter):
         if self._model is not None:
             self._reset_compiled()
         self._eager_calls.clear()
+        self._ran_forward.clear()
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
         had = attr in vars(obj)
@@ -411,8 +415,11 @@ class TensorFlowAdapter(BaseAdapter):
             return tensor
         slot = self._slot(layer, tname, eager) if record else None
         if slot is not None and eager:
-            _write_forward(self._buffers.local(slot.var), slot.row_tensor, tensor,
-                           layer.check_forward)
+            if layer.check_forward or self._buffers.replicas > 1:
+                _write_forward(self._buffers.local(slot.var), slot.row_tensor, tensor,
+                               layer.check_forward)
+            else:  # only the flag to set: on the host, instead of a traced call (~0.2 ms)
+                self._ran_forward.append(slot.index)
         elif slot is not None:
             write_forward(self._buffers.local(slot.var), slot.row, tensor, layer.check_forward)
         axis = unit_axis(tensor.shape.rank, layer.channels_first)
@@ -607,6 +614,8 @@ class TensorFlowAdapter(BaseAdapter):
                 self._buffers.clear()
             elif rows is None:
                 rows = self._buffers.read_and_clear()
+            if self._ran_forward:
+                rows = _flag_forward(rows, self._ran_forward)
             result = StepResult()
             slots = list(self._slots.values())
             for replica, acts in enumerate(rows.acts):
@@ -626,6 +635,7 @@ class TensorFlowAdapter(BaseAdapter):
             return result
         finally:
             self._eager_calls.clear()
+            self._ran_forward.clear()
             recording = (step + 1) % self._options.every == 0
             if self._recording_var is not None and recording != self._recording_now:
                 self._recording_var.assign(recording)
@@ -694,6 +704,13 @@ class TensorFlowAdapter(BaseAdapter):
 _CUT_EVIDENCE = frozenset({EventKind.NO_GRAD.value, EventKind.DETACHED_OUTPUT.value,
                            EventKind.UNREACHED.value})
 _SUSPECT = _CUT_EVIDENCE | {EventKind.FORWARD_NONFINITE.value}
+
+def _flag_forward(rows: Rows, indices: list[int]) -> Rows:
+    """``rows`` with the forward flag set in the given activation rows (one replica)."""
+    acts = rows.acts if rows.acts.flags.writeable else rows.acts.copy()
+    acts[0, indices, Col.FWD] = 1.0
+    return rows._replace(acts=acts)
+
 
 def _custom_identity(x: tf.Tensor, grad: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
     """``tf.identity(x)`` whose gradient is ``grad(dy)``, through ``tf.custom_gradient``: in a
