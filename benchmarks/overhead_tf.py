@@ -66,6 +66,7 @@ import graddebug
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ratios.py, also when loaded by path
 from ratios import (
     BOOTSTRAP_RESAMPLES,
+    alternate,
     bootstrap_interval,
     pair_ratios,
     pairs_estimator,
@@ -108,7 +109,7 @@ class Result:
 
     Attributes:
         workload: Workload name.
-        loop: ``function``, ``function_opt`` or ``fit``.
+        loop: ``function``, ``function_opt``, ``eager`` or ``fit``.
         config: Config key.
         target: The ratio the config must stay under.
         plain_ms: Median over the rounds of the plain round's median step time (ms).
@@ -218,29 +219,6 @@ def timed_step(step: Callable[..., Any], x: tf.Tensor, y: tf.Tensor,
     return time.perf_counter() - start
 
 
-def time_function_pairs(plain: Callable[[], float], watched: Callable[[], float], pairs: int,
-                        watched_first: bool) -> tuple[list[float], list[float]]:
-    """Time ``pairs`` pairs of one plain and one watched step back to back, the order within
-    a pair flipping from pair to pair; return the plain and the watched steps' seconds, in
-    pair order.
-
-    Args:
-        plain: Runs and times one plain step.
-        watched: Runs and times one watched step.
-        pairs: How many pairs the round has.
-        watched_first: Whether the round's first pair starts with the watched step.
-    """
-    plain_times: list[float] = []
-    watched_times: list[float] = []
-    for k in range(pairs):
-        if (k % 2 == 0) != watched_first:
-            plain_times.append(plain())
-        watched_times.append(watched())
-        if (k % 2 == 0) == watched_first:
-            plain_times.append(plain())
-    return plain_times, watched_times
-
-
 class _BatchClock(keras.callbacks.Callback):
     """Times each batch of ``fit`` from one batch end to the next (both sides get one, so both
     sync per batch and Keras' per-call set-up stays out of the median)."""
@@ -278,7 +256,7 @@ def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
 
     Args:
         workload: Workload name.
-        loop: ``function``, ``function_opt`` or ``fit``.
+        loop: ``function``, ``function_opt``, ``eager`` or ``fit``.
         config: The configuration.
         rounds: Timed rounds.
         steps: Pairs of steps a round in every loop but ``fit``.
@@ -303,7 +281,7 @@ def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
             hand_over = loop != "function_opt"
 
             def run(watched_first: bool) -> tuple[list[float], list[float]]:
-                return time_function_pairs(
+                return alternate(
                     lambda: timed_step(plain_step, xs, ys, None, hand_over),
                     lambda: timed_step(watched_step, xs, ys, dbg, hand_over),
                     steps, watched_first)

@@ -71,6 +71,7 @@ from graddebug import Watcher
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ratios.py, also when loaded by path
 from ratios import (
     BOOTSTRAP_RESAMPLES,
+    alternate,
     bootstrap_interval,
     pair_ratios,
     pairs_estimator,
@@ -532,10 +533,8 @@ def time_pairs(plain: Workload, watched: Workload, steps: int, watcher: Any,
                device: torch.device, watched_first: bool) -> tuple[list[float], list[float], float]:
     """Enter ``watcher`` on the watched twin, time ``steps`` pairs of single steps, leave it.
 
-    A pair is one plain step of ``plain`` and one watched step of ``watched``, back to back.
-    Load from elsewhere on a shared machine comes in bursts far longer than a step, so both
-    steps of a pair meet the same load and the pair's ratio cancels it. The order within the
-    pairs flips from one pair to the next, so that neither side always runs second.
+    A pair is one plain step of ``plain`` and one watched step of ``watched``, back to back,
+    the order within the pairs flipping from one pair to the next (:func:`ratios.alternate`).
 
     Args:
         plain: The plain twin, never watched.
@@ -556,19 +555,17 @@ def time_pairs(plain: Workload, watched: Workload, steps: int, watcher: Any,
     # triggers stay in, because they are part of its cost.
     gc.collect()
     per_step = getattr(watcher, "per_step", contextlib.nullcontext)
-    plain_times: list[float] = []
-    watched_times: list[float] = []
     start = time.perf_counter()
     with watcher as dbg:
         entered = time.perf_counter()
         _sync(device)
-        for k in range(steps):
-            if (k % 2 == 0) != watched_first:
-                plain_times.append(timed_step(plain, None, device))
-            with per_step():
-                watched_times.append(timed_step(watched, dbg, device))
-            if (k % 2 == 0) == watched_first:
-                plain_times.append(timed_step(plain, None, device))
+
+        def watched_step() -> float:
+            with per_step():  # entered and left outside the step's clock
+                return timed_step(watched, dbg, device)
+
+        plain_times, watched_times = alternate(lambda: timed_step(plain, None, device),
+                                               watched_step, steps, watched_first)
         leaving = time.perf_counter()
     enter_exit = (entered - start) + (time.perf_counter() - leaving)
     _check_no_hooks(watched.model)

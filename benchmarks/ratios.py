@@ -1,5 +1,5 @@
-"""The statistics of the overhead benchmarks: ratios of watched over plain step times, taken in
-pairs of single steps, their 95% bootstrap intervals, and the verdict against a target.
+"""The method of the overhead benchmarks: single steps timed in pairs, ratios of watched over
+plain step times, their 95% bootstrap intervals, and the verdict against a target.
 
 Shared by ``overhead_torch.py`` and ``overhead_tf.py``; it imports no framework. A round is a
 run of pairs (or, for ``model.fit``, one plain and one watched ``fit`` call); the intervals
@@ -12,7 +12,7 @@ import random
 import statistics
 from collections.abc import Callable, Sequence
 
-__all__ = ["BOOTSTRAP_RESAMPLES", "Estimate", "bootstrap_interval", "pair_ratios",
+__all__ = ["BOOTSTRAP_RESAMPLES", "Estimate", "alternate", "bootstrap_interval", "pair_ratios",
            "pairs_estimator", "position_ratio", "quartiles", "rounds_estimator", "verdict"]
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -20,6 +20,32 @@ BOOTSTRAP_RESAMPLES = 2000
 
 Estimate = Callable[[Sequence[int]], float]
 """A ratio taken over the rounds at the given indices (a round may come more than once)."""
+
+
+def alternate(plain: Callable[[], float], watched: Callable[[], float], pairs: int,
+              watched_first: bool) -> tuple[list[float], list[float]]:
+    """Run ``pairs`` pairs of one plain and one watched step back to back, the order within a
+    pair flipping from pair to pair; return what each call returned (its seconds), plain and
+    watched, in pair order.
+
+    Load from elsewhere on a shared machine comes in bursts far longer than a step, so both
+    steps of a pair meet the same load and the pair's ratio cancels it.
+
+    Args:
+        plain: Runs and times one plain step.
+        watched: Runs and times one watched step.
+        pairs: How many pairs the round has.
+        watched_first: Whether the round's first pair starts with the watched step.
+    """
+    plain_times: list[float] = []
+    watched_times: list[float] = []
+    for k in range(pairs):
+        if (k % 2 == 0) != watched_first:
+            plain_times.append(plain())
+        watched_times.append(watched())
+        if (k % 2 == 0) == watched_first:
+            plain_times.append(plain())
+    return plain_times, watched_times
 
 
 def pair_ratios(watched: Sequence[float], plain: Sequence[float]) -> list[float]:

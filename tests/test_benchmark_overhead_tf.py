@@ -1,6 +1,6 @@
-"""The method of ``benchmarks/overhead_tf.py``: pairs of single steps in the ``tf.function``
-loops, one ``fit`` call a side and round, and what a result holds (its statistics are tested in
-``test_benchmark_ratios.py``)."""
+"""The method of ``benchmarks/overhead_tf.py``: pairs of single steps in every loop but
+``fit``, one ``fit`` call a side and round, and what a result holds (its statistics and the
+alternation of the pairs are tested in ``test_benchmark_ratios.py``)."""
 
 from __future__ import annotations
 
@@ -16,24 +16,6 @@ pytest.importorskip("tensorflow")
 def bench():
     with loaded("overhead_tf") as module:
         yield module
-
-
-def test_pairs_alternate_single_steps_and_flip_their_order(bench):
-    log: list[str] = []
-
-    def side(name: str, seconds: float):
-        def run() -> float:
-            log.append(name)
-            return seconds
-        return run
-
-    plain, watched = bench.time_function_pairs(side("plain", 1.0), side("watched", 2.0), 3,
-                                               watched_first=True)
-    assert log == ["watched", "plain", "plain", "watched", "watched", "plain"]
-    assert plain == [1.0] * 3 and watched == [2.0] * 3
-    log.clear()
-    bench.time_function_pairs(side("plain", 1.0), side("watched", 2.0), 2, watched_first=False)
-    assert log == ["plain", "watched", "watched", "plain"]
 
 
 @pytest.mark.parametrize("loop", ["function", "eager", "fit"])

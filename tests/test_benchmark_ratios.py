@@ -1,6 +1,7 @@
-"""The statistics of the overhead benchmarks (``benchmarks/ratios.py``): the ratio over pairs
-of single steps, the ratio of rounds where only some steps are recorded, the ratio of ``fit``
-rounds, the bootstrap interval quoted next to each, and the verdict against a target."""
+"""The method of the overhead benchmarks (``benchmarks/ratios.py``): the alternation of the
+pairs of single steps, the ratio over the pairs, the ratio of rounds where only some steps are
+recorded, the ratio of ``fit`` rounds, the bootstrap interval quoted next to each, and the
+verdict against a target."""
 
 from __future__ import annotations
 
@@ -113,3 +114,21 @@ def test_quartiles(ratios):
     assert ratios.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
     with pytest.raises(ValueError):
         ratios.quartiles([])
+
+
+def test_pairs_alternate_single_steps_and_flip_their_order(ratios):
+    log: list[str] = []
+
+    def side(name: str, seconds: float):
+        def run() -> float:
+            log.append(name)
+            return seconds
+        return run
+
+    plain, watched = ratios.alternate(side("plain", 1.0), side("watched", 2.0), 3,
+                                      watched_first=True)
+    assert log == ["watched", "plain", "plain", "watched", "watched", "plain"]
+    assert plain == [1.0] * 3 and watched == [2.0] * 3
+    log.clear()
+    ratios.alternate(side("plain", 1.0), side("watched", 2.0), 2, watched_first=False)
+    assert log == ["plain", "watched", "watched", "plain"]
