@@ -1,5 +1,6 @@
-"""Eager capture's cheaper paths: the row writers called through their traces' flat entry
-points (``FlatWriter``), and the recording identity recorded on the tape directly."""
+"""Eager capture's cheaper paths: the sentinel rows measured by single ops (``EagerRows``), the
+row writers called through their traces' flat entry points (``FlatWriter``), and the recording
+identity recorded on the tape directly."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ keras = pytest.importorskip("keras")
 
 import graddebug  # noqa: E402
 import graddebug_tensorflow.adapter as tf_adapter  # noqa: E402
+from graddebug_tensorflow.eagerrows import EagerRows  # noqa: E402
 from graddebug_tensorflow.stats import (  # noqa: E402
     ACT_WIDTH,
     Col,
@@ -150,7 +152,8 @@ def _cut_after_relu() -> keras.Model:
 
 @pytest.mark.parametrize("compiled_step", [False, True])
 def test_a_layer_with_no_forward_check_that_ran_but_got_no_gradient_is_unreached(compiled_step):
-    # ReLU has no finiteness check: eagerly, its forward flag is set on the host at the close.
+    # ReLU has no finiteness check: eagerly, its forward flag is noted by EagerRows and written
+    # into the buffers when the step is read.
     model = _cut_after_relu()
     x = tf.ones((4, 6))
 
@@ -167,3 +170,122 @@ def test_a_layer_with_no_forward_check_that_ran_but_got_no_gradient_is_unreached
     assert sorted(unreached["layer"]) == ["d1", "d1", "r1", "r1"]
     assert sorted(unreached["step"]) == [0, 0, 1, 1]
     assert not {"r1", "d1"} & set(dbg.frame()["layer"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(16, 24), (4, 5, 6), (30,), (), (2, 1, 3, 1, 2, 1, 4)])
+def test_eager_rows_write_what_the_writers_write_on_a_sentinel_step(dtype, shape):
+    rows = EagerRows()
+    fast, reference = _rows()
+    grad = tf.cast(tf.random.stateless_normal(shape, seed=[2, len(shape)]) * 3.0, dtype)
+    out = tf.cast(tf.random.stateless_normal(shape, seed=[5, len(shape)]), dtype)
+    for row in (1, 6):
+        assert rows.forward(fast, row, out * row, True)
+        assert rows.backward(fast, row, grad * row)
+        _FORWARD(reference, tf.constant(row), out * row, True)
+        _ACTIVATION(reference, tf.constant(row), grad * row, None, None, None, False)
+    assert rows.forward(fast, 3, out, False)  # a layer with no forward check: the flag alone
+    _FORWARD(reference, tf.constant(3), out, False)
+    assert not fast.numpy().any()  # nothing is written before the flush
+    rows.flush()
+    np.testing.assert_array_equal(fast.numpy(), reference.numpy())  # NaN where the writer's
+    assert not rows  # flushed rows are forgotten
+    # The values themselves, against numpy on the same (rounded) entries.
+    g = (grad * 6).numpy().astype(np.float64)
+    written = fast.numpy()[6]
+    assert written[Col.SQ] == pytest.approx(np.sum(g * g), rel=1e-5)
+    assert written[Col.SUM] == pytest.approx(np.sum(g), rel=1e-4, abs=1e-4 * np.abs(g).sum())
+    assert written[Col.FWD_SUM] == pytest.approx(
+        np.sum((out * 6).numpy().astype(np.float64)), rel=1e-4, abs=1e-3 * len(g.flat))
+    assert written[Col.NUMEL] == g.size and written[Col.RANK] == len(shape)
+    assert list(written[Col.DIMS:]) == [*shape[:6], *[0] * (6 - min(len(shape), 6))]
+    assert list(fast.numpy()[3, : Col.BWD]) == [1.0, 0.0]
+
+
+def test_eager_rows_leave_other_dtypes_and_graphs_to_the_writers():
+    rows = EagerRows()
+    var, _ = _rows()
+    assert not rows.backward(var, 0, tf.ones((2, 3), tf.float64))
+    assert not rows.forward(var, 0, tf.ones((2, 3), tf.float64), True)
+    answers = []
+
+    @tf.function
+    def traced(x):
+        answers.append((rows.backward(var, 1, x), rows.forward(var, 1, x, True)))
+        return x
+
+    traced(tf.ones((2, 3)))
+    assert answers == [(False, False)]
+    assert not rows
+    rows.flush()
+    assert not var.numpy().any()
+
+
+def test_eager_rows_keep_the_later_write_of_a_cell_and_forget_on_clear():
+    rows = EagerRows()
+    var, _ = _rows()
+    rows.backward(var, 2, tf.fill((2, 2), 1.0))
+    rows.backward(var, 2, tf.fill((2, 2), 3.0))  # a second backward pass through the call
+    rows.flush()
+    assert var.numpy()[2, Col.SQ] == 36.0 and var.numpy()[2, Col.SUM] == 12.0
+    rows.backward(var, 4, tf.fill((2, 2), 1.0))
+    rows.clear()
+    rows.flush()
+    assert not var.numpy()[4].any()
+
+
+def test_eager_sentinel_steps_call_no_writer(monkeypatch):
+    calls = {"forward": 0, "activation": 0}
+
+    def counting(name, writer):
+        def call(*args):
+            calls[name] += 1
+            return writer(*args)
+        return call
+
+    monkeypatch.setattr(tf_adapter, "_write_forward",
+                        counting("forward", tf_adapter._write_forward))
+    monkeypatch.setattr(tf_adapter, "_write_activation",
+                        counting("activation", tf_adapter._write_activation))
+    keras.utils.set_random_seed(1)
+    model = relu_mlp(depth=2, width=8, inputs=5, classes=3)
+    x = tf.random.stateless_normal((4, 5), seed=[1, 1])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    with graddebug.watch(model) as dbg:
+        dbg.step(step())  # step 0 measures everything: through the writer
+        full = calls["activation"]
+        dbg.step(step())
+        dbg.step(step())
+    assert full == len({r for r in dbg.frame().query("kind == 'activation'")["layer"]})
+    assert calls == {"forward": 0, "activation": full}
+
+
+def test_an_eager_sentinel_step_left_open_is_kept_when_the_watcher_exits():
+    keras.utils.set_random_seed(2)
+    model = relu_mlp(depth=2, width=8, inputs=5, classes=3)
+    probe = keras.Model(model.inputs, [layer.output for layer in model.layers])
+    x = tf.random.stateless_normal((4, 5), seed=[3, 1])
+    with tf.GradientTape() as tape:
+        outs = probe(x, training=True)
+        loss = tf.reduce_mean(tf.square(outs[-1]))
+    want = dict(zip([layer.name for layer in model.layers], tape.gradient(loss, outs),
+                    strict=True))
+    # The exit closes step 1 without parameter gradients, and says so.
+    with pytest.warns(graddebug.GradDebugWarning, match="no parameter gradients"), \
+            graddebug.watch(model) as dbg:
+        for closed in (True, False):  # step 1, a sentinel step, is never closed by dbg.step
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x, training=True)))
+            grads = tape.gradient(loss, model.trainable_variables)
+            if closed:
+                dbg.step(grads)
+    acts = dbg.frame().query("kind == 'activation' and step == 1").set_index("layer")
+    assert set(acts.index) == set(want)
+    for name, ref in want.items():
+        assert acts.loc[name, "norm"] == pytest.approx(np.linalg.norm(ref.numpy()), rel=1e-5)
+        assert np.isnan(acts.loc[name, "absmax"])  # a sentinel step

@@ -18,6 +18,7 @@ from graddebug import (  # noqa: E402
     UnknownNameError,
     WatcherStateError,
 )
+from graddebug_tensorflow.eagerrows import EagerRows  # noqa: E402
 from tf_models import batches, relu_mlp, train  # noqa: E402
 
 
@@ -89,6 +90,7 @@ def break_statistics(monkeypatch):
     """Make the activation statistics raise, in eager mode and in graphs."""
     monkeypatch.setattr(tf_adapter, "write_activation", broken)
     monkeypatch.setattr(tf_adapter, "_write_activation", broken)
+    monkeypatch.setattr(EagerRows, "backward", broken)  # the eager sentinel
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf_function"])

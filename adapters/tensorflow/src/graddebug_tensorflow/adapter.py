@@ -32,6 +32,7 @@ from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError
 from graddebug.records import EventKind
 from graddebug_tensorflow.buffers import Rows, ScalerCol, StateBuffers
+from graddebug_tensorflow.eagerrows import EagerRows
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.ops import OpCapture
 from graddebug_tensorflow.outputs import (
@@ -143,9 +144,8 @@ class TensorFlowAdapter(BaseAdapter):
         )
         self._patches: list[_Patch] = []
         self._eager_calls: dict[tuple[str, str, int], int] = {}
-        # Rows whose layer ran forward eagerly in the open step with no finiteness check to
-        # write (see _watch): their forward flag is set on the host when the step closes.
-        self._ran_forward: list[int] = []
+        # The sentinel rows of the open eager step, written when it is read (see _watch)
+        self._eager_rows = EagerRows()
         self._peeked: Rows | None = None  # see has_pending(closing=True)
         self._fused_close: Any = None  # see _close_given
         # the fused close's concrete function and flat entry point, by which gradients are None
@@ -219,7 +219,7 @@ class TensorFlowAdapter(BaseAdapter):
         if self._model is not None:
             self._reset_compiled()
         self._eager_calls.clear()
-        self._ran_forward.clear()
+        self._eager_rows.clear()
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
         had = attr in vars(obj)
@@ -277,6 +277,7 @@ class TensorFlowAdapter(BaseAdapter):
     def has_pending(self, closing: bool = False) -> bool:
         """Whether a gradient was recorded since the last step closed (one read of the
         buffers; with ``closing``, a True answer keeps the rows for the close that follows)."""
+        self._eager_rows.flush()
         rows = self._buffers.peek()
         pending = bool((rows.acts[..., Col.BWD] > 0).any() or (rows.params[:, 0] > 0).any())
         self._peeked = rows if closing and pending else None
@@ -415,11 +416,11 @@ class TensorFlowAdapter(BaseAdapter):
             return tensor
         slot = self._slot(layer, tname, eager) if record else None
         if slot is not None and eager:
-            if layer.check_forward or self._buffers.replicas > 1:
+            # One replica: a sum op, or no op at all, instead of a writer call (~0.2 ms)
+            if self._buffers.replicas > 1 or not self._eager_rows.forward(
+                    slot.var, slot.row, tensor, layer.check_forward):
                 _write_forward(self._buffers.local(slot.var), slot.row_tensor, tensor,
                                layer.check_forward)
-            else:  # only the flag to set: on the host, instead of a traced call (~0.2 ms)
-                self._ran_forward.append(slot.index)
         elif slot is not None:
             write_forward(self._buffers.local(slot.var), slot.row, tensor, layer.check_forward)
         axis = unit_axis(tensor.shape.rank, layer.channels_first)
@@ -521,8 +522,13 @@ class TensorFlowAdapter(BaseAdapter):
                 var = self._buffers.local(slot.var)
                 full: Any = layer.keep or self._full_var is None
                 if tf.executing_eagerly():
-                    _write_activation(var, slot.row_tensor, new, pre, unit_axis, scale,
-                                      full or self._ctx.full_stats)
+                    full = full or self._ctx.full_stats
+                    # The sentinel of one replica, unscaled: two ops instead of a writer call
+                    if (full or scale is not None or pre is not None
+                            or self._buffers.replicas > 1
+                            or not self._eager_rows.backward(var, slot.row, new)):
+                        _write_activation(var, slot.row_tensor, new, pre, unit_axis, scale,
+                                          full)
                 else:
                     write_activation(var, slot.row, new, pre, unit_axis, scale,
                                      full or self._full_var)
@@ -596,6 +602,8 @@ class TensorFlowAdapter(BaseAdapter):
         """Read and clear the buffers (one transfer) and turn them into records."""
         peeked, self._peeked = self._peeked, None
         try:
+            if record:
+                self._eager_rows.flush()
             rows = None
             if grads is not None:  # checks the count on every step
                 grads = list(grads)
@@ -614,8 +622,6 @@ class TensorFlowAdapter(BaseAdapter):
                 self._buffers.clear()
             elif rows is None:
                 rows = self._buffers.read_and_clear()
-            if self._ran_forward:
-                rows = _flag_forward(rows, self._ran_forward)
             result = StepResult()
             slots = list(self._slots.values())
             for replica, acts in enumerate(rows.acts):
@@ -635,7 +641,7 @@ class TensorFlowAdapter(BaseAdapter):
             return result
         finally:
             self._eager_calls.clear()
-            self._ran_forward.clear()
+            self._eager_rows.clear()
             recording = (step + 1) % self._options.every == 0
             if self._recording_var is not None and recording != self._recording_now:
                 self._recording_var.assign(recording)
@@ -704,13 +710,6 @@ class TensorFlowAdapter(BaseAdapter):
 _CUT_EVIDENCE = frozenset({EventKind.NO_GRAD.value, EventKind.DETACHED_OUTPUT.value,
                            EventKind.UNREACHED.value})
 _SUSPECT = _CUT_EVIDENCE | {EventKind.FORWARD_NONFINITE.value}
-
-def _flag_forward(rows: Rows, indices: list[int]) -> Rows:
-    """``rows`` with the forward flag set in the given activation rows (one replica)."""
-    acts = rows.acts if rows.acts.flags.writeable else rows.acts.copy()
-    acts[0, indices, Col.FWD] = 1.0
-    return rows._replace(acts=acts)
-
 
 def _custom_identity(x: tf.Tensor, grad: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
     """``tf.identity(x)`` whose gradient is ``grad(dy)``, through ``tf.custom_gradient``: in a
