@@ -289,3 +289,31 @@ def test_an_eager_sentinel_step_left_open_is_kept_when_the_watcher_exits():
     for name, ref in want.items():
         assert acts.loc[name, "norm"] == pytest.approx(np.linalg.norm(ref.numpy()), rel=1e-5)
         assert np.isnan(acts.loc[name, "absmax"])  # a sentinel step
+
+
+def test_fit_run_eagerly_records_sentinel_steps_as_tape_gradient_gives_them():
+    keras.utils.set_random_seed(4)
+    model = relu_mlp(depth=2, width=8, inputs=5, classes=3)
+    loss_fn = keras.losses.MeanSquaredError()
+    # A learning rate of 0 keeps the weights, so that one reference serves every step.
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss_fn, run_eagerly=True)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((12, 5)).astype(np.float32)
+    y = rng.standard_normal((12, 3)).astype(np.float32)
+    probe = keras.Model(model.inputs, [layer.output for layer in model.layers])
+    with graddebug.watch(model) as dbg:
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[dbg.callback()])
+    acts = dbg.frame().query("kind == 'activation'")
+    assert sorted(set(acts["step"])) == [0, 1, 2]
+    for step in range(3):
+        with tf.GradientTape() as tape:
+            outs = probe([x[4 * step: 4 * step + 4]], training=True)
+            loss = loss_fn(y[4 * step: 4 * step + 4], outs[-1])
+        want = tape.gradient(loss, outs)
+        rows = acts[acts["step"] == step].set_index("layer")
+        for layer, ref in zip(model.layers, want, strict=True):
+            g = ref.numpy().astype(np.float64)
+            assert rows.loc[layer.name, "norm"] == pytest.approx(np.linalg.norm(g), rel=1e-5)
+            assert rows.loc[layer.name, "mean"] == pytest.approx(
+                g.mean(), rel=1e-4, abs=1e-6 * np.abs(g).max())
+            assert np.isnan(rows.loc[layer.name, "absmax"]) == (step > 0)  # sentinel steps
