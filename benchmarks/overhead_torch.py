@@ -64,9 +64,12 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
+from torch.utils.hooks import RemovableHandle
 
 import graddebug
 from graddebug import Watcher
+from graddebug_torch.outputs import KEEPS_FINITE, owns_params
+from graddebug_torch.stats import DotSums
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ratios.py, also when loaded by path
 from ratios import (
@@ -121,6 +124,11 @@ CONFIGS: tuple[Config, ...] = (
     # The floor of parameter capture: what any tool must do at least, one fused norm pass over
     # the parameter gradients and one host sync. (a) is judged by its distance to it.
     Config("f", "(f) floor: one _foreach_norm pass, no graddebug", {"floor": True}, math.inf),
+    # The floor of output capture: (f), and the sentinel of every output (b) records, taken by
+    # hand-written hooks with graddebug's own reductions. (b)'s distance to it is graddebug's
+    # bookkeeping; the floor's own distance to (f) is what hooks and reductions cost.
+    Config("g", "(g) floor of (b): (f) + hand-written output hooks, no graddebug",
+           {"outputs_floor": True}, math.inf),
     # The method's own reading of a monitor that costs nothing: both twins plain.
     Config("n", "(n) null: both twins plain, no graddebug", {"null": True}, math.inf),
 )
@@ -174,10 +182,71 @@ class _Floor(_StandIn):
     def __init__(self, model: nn.Module) -> None:
         self._params = [p for p in model.parameters() if p.requires_grad]
 
-    def step(self) -> None:
-        """Measure the parameter gradients, as the cheapest parameter capture would."""
+    def step(self) -> list[float]:
+        """Measure the parameter gradients, as the cheapest parameter capture would.
+
+        Returns:
+            The norms, in parameter order.
+        """
+        return self._read([])
+
+    def _read(self, scalars: list[Tensor]) -> list[float]:
+        """The parameter gradients' norms, then ``scalars``, in one sync."""
         grads = [p.grad for p in self._params if p.grad is not None]
-        torch.stack(torch._foreach_norm(grads)).tolist()
+        values: list[float] = torch.cat([torch.stack(torch._foreach_norm(grads)),
+                                         *([torch.stack(scalars)] if scalars else [])]).tolist()
+        return values
+
+
+class _OutputsFloor(_Floor):
+    """Config (g): (f), and what (b) measures of layer outputs on a step that is not full, by
+    hand: a forward hook on each module (b) watches (leaf modules and those with parameters of
+    their own) hooks the gradient of each floating output that needs one, for its sum of
+    squares and its sum, and sums the output itself where the module could make a NaN or Inf
+    (graddebug's forward check). The reductions are graddebug's (``DotSums``); no rows, no
+    records, one sync with (f)'s norms."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self._modules = [m for m in model.modules()
+                         if owns_params(m) or not any(True for _ in m.children())]
+        self._sums = DotSums()
+        self._handles: list[RemovableHandle] = []
+        self._scalars: list[Tensor] = []
+
+    def __enter__(self) -> _OutputsFloor:
+        self._handles = [m.register_forward_hook(self._forward) for m in self._modules]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._scalars.clear()
+
+    def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        outputs = [output] if isinstance(output, Tensor) else [
+            t for t in output if isinstance(t, Tensor)] if isinstance(output, tuple) else []
+        for tensor in outputs:
+            if not (tensor.is_floating_point() and tensor.requires_grad):
+                continue
+            if type(module) not in KEEPS_FINITE:
+                self._scalars.append(self._sums.total(tensor.detach()))
+            tensor.register_hook(self._backward)
+
+    def _backward(self, grad: Tensor) -> None:
+        self._scalars += self._sums.sentinel(grad)
+
+    def step(self) -> list[float]:
+        """Read the parameter gradients' norms and the outputs' sums in one sync.
+
+        Returns:
+            The norms in parameter order, then each forward sum and each gradient's sum of
+            squares and sum, in the order they were taken.
+        """
+        values = self._read(self._scalars)
+        self._scalars = []
+        return values
 
 
 def _watcher(model: nn.Module, config: Config) -> Any:
@@ -187,6 +256,8 @@ def _watcher(model: nn.Module, config: Config) -> Any:
         return _Anomaly()
     if config.options.get("floor"):
         return _Floor(model)
+    if config.options.get("outputs_floor"):
+        return _OutputsFloor(model)
     return graddebug.watch(model, **config.options)
 
 
@@ -618,8 +689,9 @@ def benchmark_workload(
         for c in configs:
             res = results[c.key]
             res.graph_breaks_plain, res.graphs_plain = plain_census
-            # (d), (f) and (n) have no watcher
-            options = None if {"anomaly", "floor", "null"} & c.options.keys() else c.options
+            # (d), (f), (g) and (n) have no watcher
+            options = (None if {"anomaly", "floor", "outputs_floor", "null"} & c.options.keys()
+                       else c.options)
             res.graph_breaks_watched, res.graphs_watched = graph_census(name, options, device)
             console.print(f"  {c.label}: graph breaks {res.graph_breaks_plain} plain, "
                           f"{res.graph_breaks_watched} watched; graphs {res.graphs_plain} "
@@ -901,9 +973,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              f"{','.join(DEFAULT_WORKLOADS)}; with --profile: mlp; gpt2 "
                              "needs transformers)")
     parser.add_argument("--configs", default="a,b",
-                        help="comma-separated, from a,b,c,o,d,f,n (c: b recording every 10th "
+                        help="comma-separated, from a,b,c,o,d,f,g,n (c: b recording every 10th "
                              "step; o: b with ops=True; d: detect_anomaly, no graddebug; "
-                             "f: the floor, one _foreach_norm pass; n: both twins plain)")
+                             "f: the floor, one _foreach_norm pass; g: f and hand-written "
+                             "output hooks, the floor of b; n: both twins plain)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--json", type=Path, default=None,
                         help=f"where to write results (default: {DEFAULT_JSON.name}, with "

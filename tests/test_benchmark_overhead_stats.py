@@ -54,3 +54,37 @@ def test_time_pairs_alternates_single_steps_and_the_plain_twin_never_carries_a_h
     assert all(hooks > 0 for tag, hooks in log if tag == "watched")
     assert len(plain) == len(watched) == 4 and min(plain + watched) > 0 and enter_exit > 0
     assert sorted(set(watcher.frame()["step"])) == [0, 1, 2, 3]
+
+
+def test_the_outputs_floor_measures_what_b_records_of_outputs_and_leaves_no_hook(bench):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    x = torch.randn(6, 5)
+
+    # The reference, with no hook: the outputs and their gradients by torch.autograd.grad.
+    h1 = model[0](x)
+    r1 = model[1](h1)
+    h2 = model[2](r1)
+    loss = h2.square().sum()
+    g_h2, g_r1, g_h1 = torch.autograd.grad(loss, [h2, r1, h1], retain_graph=True)
+    param_grads = torch.autograd.grad(loss, list(model.parameters()))
+
+    floor = bench._watcher(model, next(c for c in bench.CONFIGS if c.key == "g"))
+    with floor:
+        model(x).square().sum().backward()
+        values = floor.step()
+        assert floor.step() == [pytest.approx(float(g.norm())) for g in param_grads]  # taken
+
+    def sentinel(g):
+        return [float(g.square().sum()), float(g.sum())]
+
+    # Parameter norms; the forward sums of the Linear outputs (a ReLU cannot make a NaN);
+    # each output gradient's sum of squares and sum, in backward order.
+    want = [*(float(g.norm()) for g in param_grads),
+            float(h1.detach().sum()), float(h2.detach().sum()),
+            *sentinel(g_h2), *sentinel(g_r1), *sentinel(g_h1)]
+    assert values == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert all(not m._forward_hooks for m in model.modules())
