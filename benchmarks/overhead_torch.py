@@ -34,8 +34,10 @@ state (``torch._dynamo.utils.counters``, backend "eager": breaks are dynamo's). 
 guard on hooks added to a module after a hook-free graph of its class was compiled
 (``torch._dynamo.config.skip_nnmodule_hook_guards``), so the watched side is a copy of the model
 under a subclass of its class, compiled apart: sharing one model, the plain rounds' graph would
-serve the watched rounds too, without graddebug's hooks. The ``rows/step`` column shows that the
-watched rounds recorded.
+serve the watched rounds too, without graddebug's hooks. For the same reason each config gets a
+compiled watched copy of its own: a config without graddebug, such as (n), would have dynamo
+compile a hook-free graph that the next config's rounds would run. The ``rows/step`` column
+shows that the watched rounds recorded.
 """
 
 from __future__ import annotations
@@ -696,17 +698,24 @@ def benchmark_workload(
             console.print(f"  {c.label}: graph breaks {res.graph_breaks_plain} plain, "
                           f"{res.graph_breaks_watched} watched; graphs {res.graphs_plain} "
                           f"plain, {res.graphs_watched} watched", style="dim")
-        plain_work, watched_work = compiled_copy(work, False), compiled_copy(work, True)
+        plain_work = compiled_copy(work, False)
+        # One compiled twin per config: dynamo recompiles a model when its forward hooks go
+        # (a config without graddebug), and the graph it compiled without hooks would then
+        # serve the next config's rounds, whose hooks it does not guard on (graddebug warns
+        # of it): that config would time a model that records no layer output.
+        watched_works = {c.key: compiled_copy(work, True) for c in configs}
     else:
-        plain_work, watched_work = work, twin(work)
-    watchers = {c.key: _watcher(watched_work.model, c) for c in configs}
+        plain_work, shared = work, twin(work)
+        watched_works = {c.key: shared for c in configs}
+    watchers = {c.key: _watcher(watched_works[c.key].model, c) for c in configs}
     enter_exit: dict[str, list[float]] = {c.key: [] for c in configs}
     for r in range(-warmup, rounds):
         for i, config in enumerate(configs):
             watcher = watchers[config.key]
             # Flip the order every round, and from one config to the next, so that drift
             # favours neither side.
-            plain, watched, enter = time_pairs(plain_work, watched_work, steps, watcher, device,
+            plain, watched, enter = time_pairs(plain_work, watched_works[config.key], steps,
+                                               watcher, device,
                                                watched_first=(r + i) % 2 == 1)
             if r < 0:
                 continue

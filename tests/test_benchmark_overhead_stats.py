@@ -88,3 +88,33 @@ def test_the_outputs_floor_measures_what_b_records_of_outputs_and_leaves_no_hook
             *sentinel(g_h2), *sentinel(g_r1), *sentinel(g_h1)]
     assert values == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_compiled_configs_each_time_a_twin_that_records_what_they_ask(bench, monkeypatch):
+    """Under --compile a config without graddebug (n) makes dynamo compile the watched twin
+    again without hooks; that graph must not serve (b)'s later rounds."""
+    import io
+
+    import torch
+    from rich.console import Console
+    from torch import nn
+
+    def tiny():
+        model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+        return model, torch.randn(4, 6), torch.randn(4, 2), nn.functional.mse_loss, "tiny"
+
+    real_compile = torch.compile
+    monkeypatch.setitem(bench._BUILDERS, "tiny", tiny)
+    monkeypatch.setattr(torch, "compile", lambda model, **options: real_compile(
+        model, **{"backend": "aot_eager", **options}))
+    torch._dynamo.reset()
+    configs = [c for c in bench.CONFIGS if c.key in ("b", "n")]
+    results = bench.benchmark_workload("tiny", configs, rounds=2, steps=2, warmup=1,
+                                       device=torch.device("cpu"),
+                                       console=Console(file=io.StringIO()), compiled=True)
+    torch._dynamo.reset()
+    model = tiny()[0]
+    outputs, params = len(model), len(list(model.parameters()))
+    by_key = {r.config: r for r in results}
+    assert by_key["b"].rows_per_step == outputs + params  # every round, not the first alone
+    assert by_key["n"].rows_per_step == 0
