@@ -70,7 +70,7 @@ from torch.utils.hooks import RemovableHandle
 
 import graddebug
 from graddebug import Watcher
-from graddebug_torch.outputs import KEEPS_FINITE, owns_params
+from graddebug_torch.outputs import KEEPS_FINITE, flatten, owns_params
 from graddebug_torch.stats import DotSums
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ratios.py, also when loaded by path
@@ -227,9 +227,7 @@ class _OutputsFloor(_Floor):
         self._scalars.clear()
 
     def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        outputs = [output] if isinstance(output, Tensor) else [
-            t for t in output if isinstance(t, Tensor)] if isinstance(output, tuple) else []
-        for tensor in outputs:
+        for _, tensor in flatten(output):  # the outputs (b) watches
             if not (tensor.is_floating_point() and tensor.requires_grad):
                 continue
             if type(module) not in KEEPS_FINITE:

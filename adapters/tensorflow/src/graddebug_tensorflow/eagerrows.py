@@ -16,6 +16,7 @@ the same tensors. Other cases, and graphs, keep those writers.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -86,18 +87,12 @@ class EagerRows:
         wide = _wide(grad)
         if wide is None:
             return False
-        shape = grad._shape_tuple()
         rows = self._rows(var)
         # 2 * l2_loss, in float32 as square_sum computes it: the doubling is done at the flush.
         rows.measured[(row, Col.SQ)] = (_R.L2Loss(t=wide), 2.0)
         rows.measured[(row, Col.SUM)] = (self._sum(wide), 1.0)
-        dims = [*shape[:MAX_DIMS], *[0] * (MAX_DIMS - min(len(shape), MAX_DIMS))]
         fixed = rows.fixed
-        for col, value in (
-            (Col.BWD, 1.0), (Col.ABSMAX, math.nan), (Col.LIVE, NOT_MEASURED),
-            (Col.UNITS, -1.0), (Col.PRE_SQ, -1.0), (Col.NUMEL, float(math.prod(shape))),
-            (Col.RANK, float(len(shape))), *((Col.DIMS + i, float(d)) for i, d in enumerate(dims)),
-        ):
+        for col, value in _known_columns(grad._shape_tuple()):
             fixed[(row, col)] = value
         return True
 
@@ -135,6 +130,18 @@ class EagerRows:
         if axes is None:
             axes = self._axes[rank] = tf.constant(list(range(rank)), tf.int32)
         return _R.Sum(input=wide, axis=axes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _known_columns(shape: tuple[int, ...]) -> tuple[tuple[int, float], ...]:
+    """The columns of a sentinel row that the gradient's shape decides, with their values: the
+    flag, the markers of what is not measured, numel, rank and dims (as
+    :func:`.activation_row` writes them with ``full=False``)."""
+    dims = [*shape[:MAX_DIMS], *[0] * (MAX_DIMS - min(len(shape), MAX_DIMS))]
+    return ((Col.BWD, 1.0), (Col.ABSMAX, math.nan), (Col.LIVE, NOT_MEASURED),
+            (Col.UNITS, -1.0), (Col.PRE_SQ, -1.0), (Col.NUMEL, float(math.prod(shape))),
+            (Col.RANK, float(len(shape))),
+            *((Col.DIMS + i, float(d)) for i, d in enumerate(dims)))
 
 
 def _wide(tensor: Any) -> tf.Tensor | None:
