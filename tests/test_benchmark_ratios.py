@@ -1,16 +1,19 @@
 """The method of the overhead benchmarks (``benchmarks/ratios.py``): the alternation of the
 pairs of single steps, the ratio over the pairs, the ratio of rounds where only some steps are
-recorded, the ratio of ``fit`` rounds, the bootstrap interval quoted next to each, and the
-verdict against a target."""
+recorded, the ratio of ``fit`` rounds, the bootstrap interval quoted next to each, the verdict
+against a target, and the allocator settings both twins run under."""
 
 from __future__ import annotations
 
+import platform
 import random
 import statistics
+import subprocess
+import sys
 
 import pytest
 
-from benchmark_scripts import loaded
+from benchmark_scripts import BENCHMARKS, loaded
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +135,64 @@ def test_pairs_alternate_single_steps_and_flip_their_order(ratios):
     log.clear()
     ratios.alternate(side("plain", 1.0), side("watched", 2.0), 2, watched_first=False)
     assert log == ["plain", "watched", "watched", "plain"]
+
+
+# The allocator is the process's own: its tests run in fresh child processes.
+_MALLOC_PROBE = r"""
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+import ratios
+
+libc = ctypes.CDLL(None)
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def mapped(size):  # bytes glibc mapped apart from its heap for one block of size
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(size)
+    during = libc.mallinfo2().hblkhd
+    libc.free(block)
+    return during - before
+
+def left_free(size):  # free bytes the heap holds once a block of size came and went
+    libc.free(libc.malloc(size))
+    return libc.mallinfo2().fordblks
+
+if sys.argv[2] == "steady":
+    print(int(ratios.steady_allocator()))
+print(mapped(8 << 20), left_free(24 << 20), mapped(ratios.STEADY_HEAP_BYTES + (1 << 20)))
+"""
+
+
+def _probe_malloc(mode: str) -> list[int]:
+    done = subprocess.run([sys.executable, "-c", _MALLOC_PROBE, str(BENCHMARKS), mode],
+                          capture_output=True, text=True, timeout=60, check=True)
+    return [int(v) for v in done.stdout.split()]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="steady_allocator sets glibc's thresholds; this C library is not glibc")
+def test_steady_allocator_serves_large_blocks_from_a_heap_it_never_trims():
+    small, large = 8 << 20, 24 << 20
+    # glibc left alone, in a fresh process: both blocks are mapped apart and unmapped when
+    # freed, so the heap never holds their bytes.
+    mapped, left_free, beyond = _probe_malloc("default")
+    assert mapped >= small
+    assert left_free < large
+    applied, mapped, left_free, beyond = _probe_malloc("steady")
+    assert applied == 1
+    assert mapped == 0  # from the heap
+    assert left_free >= large  # which kept the block's bytes after the free
+    assert beyond >= (32 << 20) + (1 << 20)  # past the fixed threshold: mapped apart again
+
+
+def test_steady_allocator_leaves_other_c_libraries_alone(ratios, monkeypatch):
+    monkeypatch.setattr(ratios.sys, "platform", "darwin")
+    assert ratios._glibc() is None
+    assert ratios.steady_allocator() is False
