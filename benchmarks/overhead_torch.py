@@ -1050,7 +1050,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = parse_args(argv)
     # Before any model is built: the twins' buffers come from the allocator as it is set now.
-    allocator = "glibc default" if args.default_allocator or not steady_allocator() else "steady"
+    allocator = "default" if args.default_allocator or not steady_allocator() else "steady"
     if args.threads:
         torch.set_num_threads(args.threads)
     # Redirected output would otherwise wrap the table at 80 columns.
