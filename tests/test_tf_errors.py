@@ -115,6 +115,28 @@ def test_bug_inside_a_gradient_hook_fails_open(monkeypatch, compiled):
     assert (dbg.frame()["kind"] == "parameter").all()  # what did not fail is still recorded
 
 
+def test_a_bug_writing_the_eager_sentinel_rows_fails_open(monkeypatch):
+    # The eager sentinel rows are written when the step is read, by dbg.step(), not in a hook.
+    keras.utils.set_random_seed(0)
+    model = relu_mlp(depth=3, width=8)
+    start = model.get_weights()
+    data = batches(3, (4, 32))
+    train(model, data)
+    plain = model.get_weights()
+    model.set_weights(start)
+    monkeypatch.setattr(EagerRows, "flush", broken)
+    with pytest.warns(GradDebugWarning, match="bug inside graddebug") as warned, \
+            graddebug.watch(model) as dbg:
+        train(model, data, dbg)
+    assert len(warned) == 1
+    found = dbg.findings()
+    assert set(found["issue"]) == {"internal_error"}
+    assert "ZeroDivisionError" in found["message"].iloc[0]
+    for a, b in zip(plain, model.get_weights(), strict=True):
+        assert np.array_equal(a, b)
+    assert len(set(dbg.frame()["step"])) == 3  # every step still closed and recorded
+
+
 def test_strict_raises_the_bug(monkeypatch):
     model = relu_mlp(depth=2, width=4)
     break_statistics(monkeypatch)

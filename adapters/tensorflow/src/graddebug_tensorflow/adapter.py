@@ -277,7 +277,7 @@ class TensorFlowAdapter(BaseAdapter):
     def has_pending(self, closing: bool = False) -> bool:
         """Whether a gradient was recorded since the last step closed (one read of the
         buffers; with ``closing``, a True answer keeps the rows for the close that follows)."""
-        self._eager_rows.flush()
+        self._flush_eager_rows()
         rows = self._buffers.peek()
         pending = bool((rows.acts[..., Col.BWD] > 0).any() or (rows.params[:, 0] > 0).any())
         self._peeked = rows if closing and pending else None
@@ -598,12 +598,18 @@ class TensorFlowAdapter(BaseAdapter):
 
     # -- closing a step -----------------------------------------------------------------
 
+    def _flush_eager_rows(self) -> None:
+        """Write the eager step's sentinel rows into the buffers before they are read. The
+        work of the step's hooks, done when it is read: fail-open as the hooks are."""
+        with self._fail_open("step"):
+            self._eager_rows.flush()
+
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Read and clear the buffers (one transfer) and turn them into records."""
         peeked, self._peeked = self._peeked, None
         try:
             if record:
-                self._eager_rows.flush()
+                self._flush_eager_rows()
             rows = None
             if grads is not None:  # checks the count on every step
                 grads = list(grads)
