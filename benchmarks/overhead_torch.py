@@ -77,7 +77,7 @@ from torch.utils.hooks import RemovableHandle
 
 import graddebug
 from graddebug import Watcher
-from graddebug_torch.outputs import KEEPS_FINITE, flatten, owns_params
+from graddebug_torch.outputs import KEEPS_FINITE, flatten, watched_by_default
 from graddebug_torch.stats import DotSums
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ratios.py, also when loaded by path
@@ -218,8 +218,7 @@ class _OutputsFloor(_Floor):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        self._modules = [m for m in model.modules()
-                         if owns_params(m) or not any(True for _ in m.children())]
+        self._modules = [m for m in model.modules() if watched_by_default(m)]
         self._sums = DotSums()
         self._handles: list[RemovableHandle] = []
         self._scalars: list[Tensor] = []

@@ -423,3 +423,13 @@ def test_parameter_gradients_are_read_as_they_are_when_the_step_closes() -> None
     got = {f"{r.layer}.{r.tensor}": r.norm for r in params.itertuples()}
     assert got == pytest.approx(expected, rel=1e-5)
     assert got["0.weight"] == pytest.approx(before["0.weight"] / 4, rel=1e-5)
+
+
+def test_the_default_selection_is_leaves_and_modules_that_own_parameters():
+    from graddebug_torch.outputs import watched_by_default
+
+    attention = nn.MultiheadAttention(8, 2)  # holds in_proj_weight; out_proj never runs forward
+    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    model = nn.ModuleDict({"attention": attention, "block": block})
+    picked = {name for name, m in model.named_modules() if watched_by_default(m)}
+    assert picked == {"attention", "attention.out_proj", "block.0", "block.1"}

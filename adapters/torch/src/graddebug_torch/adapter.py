@@ -47,7 +47,7 @@ from graddebug_torch.outputs import (
     any_requires_grad,
     fits,
     flatten,
-    owns_params,
+    watched_by_default,
 )
 from graddebug_torch.outputs import unit_dim as _unit_dim  # patched by the fail-open tests
 from graddebug_torch.params import (
@@ -170,13 +170,7 @@ class TorchAdapter(BaseAdapter):
     def _select(self, named: dict[str, nn.Module], layers: Sequence[Any] | None
                 ) -> dict[str, nn.Module]:
         if layers is None:
-            # Leaf modules, plus modules that hold parameters of their own (such as
-            # MultiheadAttention, whose out_proj is used functionally and never runs forward).
-            return {
-                n: m
-                for n, m in named.items()
-                if owns_params(m) or not any(True for _ in m.children())
-            }
+            return {n: m for n, m in named.items() if watched_by_default(m)}
         owner = class_name(self._root) if self._root is not None else ""
         return select_layers(named, layers, noun="module", owner=owner)
 

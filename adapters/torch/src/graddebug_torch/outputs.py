@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor, nn
 
 __all__ = ["CHANNELS_FIRST", "KEEPS_FINITE", "SEVERED_DETAIL", "any_requires_grad", "fits",
-           "flatten", "owns_params", "tensors", "unit_dim"]
+           "flatten", "owns_params", "tensors", "unit_dim", "watched_by_default"]
 
 SEVERED_DETAIL = "its input requires a gradient but its output does not"
 """What a module did when its output needs no gradient although one of its inputs does."""
@@ -91,6 +91,13 @@ def owns_params(module: nn.Module) -> bool:
     """Whether ``module`` holds parameters of its own (not only its children's)."""
     # Module._parameters directly: parameters(recurse=False) builds a generator chain per call.
     return any(p is not None for p in module._parameters.values())
+
+
+def watched_by_default(module: nn.Module) -> bool:
+    """Whether ``watch(model)`` without ``layers=`` watches ``module``: a leaf, or a module
+    that holds parameters of its own (such as MultiheadAttention, whose out_proj is used
+    functionally and never runs forward)."""
+    return owns_params(module) or not any(True for _ in module.children())
 
 
 def fits(out: Any, grad: Tensor) -> bool:
