@@ -149,7 +149,7 @@ def test_errors_and_warnings_escape_hostile_names() -> None:
     dbg = graddebug.watch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dbg.internal_error(RuntimeError("boom\x1b[2J"), "layer\x1b]0;t\x07")
+        dbg._hooks.internal_error(RuntimeError("boom\x1b[2J"), "layer\x1b]0;t\x07")
     [warning] = [w for w in caught if issubclass(w.category, GradDebugWarning)]
     text = warnings.formatwarning(warning.message, warning.category, warning.filename,
                                   warning.lineno)

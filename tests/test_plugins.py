@@ -60,7 +60,7 @@ class FakeAdapter:
         self.taps.append(name)
         return tensor
 
-    def has_pending(self, closing: bool = False) -> bool:
+    def has_pending(self) -> bool:
         return len(self.taps) > len(self.closed)  # a tap since the last close
 
     def close_step(self, step, grads, record):

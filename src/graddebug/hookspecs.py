@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from graddebug.adapter import AdapterFactory, StepResult, WatchContext
+    from graddebug.adapter import AdapterFactory, CallbackContext, StepResult
     from graddebug.config import Thresholds
     from graddebug.detectors import Evidence
     from graddebug.records import Finding
@@ -77,7 +77,7 @@ def graddebug_demo(steps: int, seed: int) -> Report | None:
 
 
 @hookspec
-def graddebug_step_recorded(watcher: WatchContext, step: int, result: StepResult) -> None:
+def graddebug_step_recorded(watcher: CallbackContext, step: int, result: StepResult) -> None:
     """Receive the records of one recorded step, as soon as the Watcher has stored them.
 
     Implemented by loggers that stream a run elsewhere while it trains: the built-in
@@ -101,7 +101,7 @@ def graddebug_step_recorded(watcher: WatchContext, step: int, result: StepResult
 
 
 @hookspec
-def graddebug_run_finished(watcher: WatchContext) -> None:
+def graddebug_run_finished(watcher: CallbackContext) -> None:
     """Learn that a Watcher's ``with`` block has ended (normally or by an exception).
 
     Implemented by the same loggers as :func:`graddebug_step_recorded`, to flush and close

@@ -3,9 +3,7 @@ and its buffer (:mod:`graddebug.capture.buffer`)."""
 
 from __future__ import annotations
 
-import math
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from types import TracebackType
@@ -13,27 +11,35 @@ from typing import Any, Literal
 
 import pluggy
 
-from graddebug.adapter import Adapter, Distribution, StepResult
+from graddebug.adapter import (
+    Adapter,
+    CompiledTiers,
+    Distributed,
+    Distribution,
+    GradientSource,
+    ReadAhead,
+    SessionGraphs,
+    StepClock,
+    StepResult,
+    Training,
+)
 from graddebug.capture.buffer import RunBuffer, gc_paused
+from graddebug.capture.context import HookSide
 from graddebug.capture.escalation import Escalation
 from graddebug.capture.kept import KEEP_STEPS, check_keep_steps
 from graddebug.capture.layers import Intervention, is_op_site
 from graddebug.capture.metadata import run_metadata
 from graddebug.capture.options import build_options, check_tensorboard
 from graddebug.capture.results import RunResults
-from graddebug.capture.tiers import StatTiers
 from graddebug.config import Thresholds
 from graddebug.errors import (
     ConfigError,
     GradDebugError,
-    GradDebugInternalError,
-    GradDebugWarning,
     UnknownNameError,
     WatcherStateError,
     close_matches,
 )
 from graddebug.plugins import find_adapter, get_plugin_manager
-from graddebug.records import Finding, Issue, Severity
 from graddebug.runs.layout import now
 from graddebug.runs.writer import DEFAULT_FLUSH_EVERY
 
@@ -100,44 +106,45 @@ class Watcher(RunResults):
         self.tensorboard = check_tensorboard(tensorboard)
         self._model = model
         self._params = params
-        buffer = RunBuffer(log_dir, flush_every, self._describe, self.internal_error,
-                           keep_steps=check_keep_steps(keep_steps), warn=self.warn_once)
+        buffer = RunBuffer(log_dir, flush_every, self._describe,
+                           lambda exc, where: self._hooks.internal_error(exc, where),
+                           keep_steps=check_keep_steps(keep_steps),
+                           warn=lambda key, message: self._hooks.warn_once(key, message))
         super().__init__(buffer, Thresholds.coerce(thresholds),
                          plugin_manager or get_plugin_manager())
-        self._tiers = StatTiers(self.every, self._options.full_stats_every)
-        self._escalation = (Escalation(self.thresholds)
-                            if self._options.escalate and not self._options.ops else None)
+        self._hooks = HookSide(
+            self, buffer, every=self.every, full_stats_every=self._options.full_stats_every,
+            escalation=(Escalation(self.thresholds)
+                        if self._options.escalate and not self._options.ops else None),
+            ops=self._options.ops, strict=self.strict)
         self._adapter: Adapter | None = None
-        self._active = False
-        self._step = 0
+        # The capabilities asked on every step, found once the adapter is built.
+        self._read_ahead: ReadAhead | None = None
+        self._tiers_sink: CompiledTiers | None = None
         self._closed = StepState.OPEN  # who closed the last step; OPEN before the first
-        self._warned = False
-        self._warned_keys: set[str] = set()
-        self._quiet = False
         self._started = ""
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def __enter__(self) -> Watcher:
-        if self._active:
+        hooks = self._hooks
+        if hooks.active:
             raise WatcherStateError("this Watcher is already active; use one `with` per Watcher.")
         target = self._model
         if target is None and self._params is not None:
             target = next(iter(self._params.values()))
-        self._active = True
+        hooks.active = True
         self._started = self._started or now()
         try:
             if target is not None:
                 adapter = self._attach(target)
                 if self._options.optimizer is not None:
-                    adapter.bind_optimizer(self._options.optimizer, self._optimizer_stepped)
-                # Adapters written before distribution() existed run in one process.
-                where = getattr(adapter, "distribution", None)
-                if where is not None:
-                    self._buffer.distribution = where()
+                    self._follow(adapter, self._options.optimizer)
+                if isinstance(adapter, Distributed):
+                    self._buffer.distribution = adapter.distribution()
             self._buffer.start()
         except BaseException:
-            self._active = False
+            hooks.active = False
             if self._adapter is not None:
                 self._adapter.detach()
             raise
@@ -150,15 +157,14 @@ class Watcher(RunResults):
         tb: TracebackType | None,
     ) -> None:
         adapter = self._adapter
-        # Warnings about gaps would only bury the exception that ends the block.
-        self._quiet = exc_type is not None
         try:
-            if adapter is not None and adapter.has_pending():
-                # A run that ends (or crashes) mid-step keeps what it captured.
-                self._close(None, StepState.CLOSED_BY_USER)
+            # Warnings about gaps would only bury the exception that ends the block.
+            with self._hooks.quiet(exc_type is not None):
+                if adapter is not None and adapter.has_pending():
+                    # A run that ends (or crashes) mid-step keeps what it captured.
+                    self._close(None, StepState.CLOSED_BY_USER)
         finally:
-            self._quiet = False
-            self._active = False
+            self._hooks.active = False
             if adapter is not None:
                 adapter.detach()
             self._buffer.finish(self.findings)
@@ -168,9 +174,29 @@ class Watcher(RunResults):
 
     def _attach(self, target: object) -> Adapter:
         factory = find_adapter(self._pm, target)
-        self._adapter = factory(self, self._model, self._params, self._options)
-        self._adapter.attach()
-        return self._adapter
+        adapter = self._adapter = factory(self._hooks, self._model, self._params, self._options)
+        self._read_ahead = adapter if isinstance(adapter, ReadAhead) else None
+        self._tiers_sink = adapter if isinstance(adapter, CompiledTiers) else None
+        adapter.attach()
+        return adapter
+
+    def _follow(self, adapter: Adapter, optimizer: Any) -> None:
+        """Bind ``watch(optimizer=...)``: its steps close graddebug steps where the adapter
+        keeps a step clock, and hand over the gradients where it takes them from there."""
+        follows = False
+        if isinstance(adapter, GradientSource):
+            adapter.take_gradients(optimizer)
+            follows = True
+        if isinstance(adapter, StepClock):
+            adapter.follow_optimizer(optimizer, self._optimizer_stepped)
+            follows = True
+        if not follows:
+            raise ConfigError(
+                f"optimizer={type(optimizer).__name__} cannot be followed: the "
+                f"{adapter.name or type(adapter).__name__} adapter neither steps with an "
+                "optimizer nor takes gradients from one. Drop optimizer= and call dbg.step() "
+                "after each optimizer step."
+            )
 
     def _check_unmatched(self) -> None:
         wanted = self._options.named
@@ -190,46 +216,23 @@ class Watcher(RunResults):
                 f"Known names: {', '.join(known[:20]) or 'none'}.{sites}"
             )
 
-    # -- what adapters and callbacks see -------------------------------------------------
+    # -- where the run stands ---------------------------------------------------------
 
     @property
     def active(self) -> bool:
         """Whether the ``with`` block is running."""
-        return self._active
-
-    @property
-    def recording(self) -> bool:
-        """Whether the open step is recorded (``every=N`` records steps 0, N, 2N, ...)."""
-        return self._active and self._step % self.every == 0
-
-    @property
-    def full_stats(self) -> bool:
-        """Whether the open step measures every statistic of layer-output gradients: one
-        recorded step in ``full_stats_every``, and the one after an unusual sentinel (see
-        :mod:`graddebug.capture.tiers`)."""
-        return self._tiers.full(self._step)
-
-    @property
-    def capture_ops(self) -> bool:
-        """Whether the open step captures operations: every recorded step with ``ops=True``;
-        with ``escalate=True``, the recorded step after a layer-level ``nonfinite`` or
-        ``cut_graph`` finding about a layer that had not escalated before."""
-        if not self.recording:
-            return False
-        escalation = self._escalation
-        return self._options.ops or (escalation is not None and escalation.at == self._step)
+        return self._hooks.active
 
     @property
     def step_index(self) -> int:
         """Index of the open step, counted from 0."""
-        return self._step
+        return self._hooks.step
 
     @property
     def adapter(self) -> Adapter | None:
         """The adapter serving this Watcher (None before a model, a param or a tap chose one).
 
-        Training callbacks call its protocol methods (``bind_optimizer``); its hooks and
-        buffers are private.
+        Its protocol is :class:`graddebug.adapter.Adapter`; its hooks and buffers are private.
         """
         return self._adapter
 
@@ -247,56 +250,6 @@ class Watcher(RunResults):
                 self._adapter is not None and self._adapter.has_pending()):
             return StepState.OPEN
         return self._closed
-
-    def internal_error(self, exc: BaseException, where: str) -> None:
-        """Record a bug caught inside a graddebug hook, or raise it when ``strict=True``.
-
-        Args:
-            exc: The exception the hook caught.
-            where: Which hook or layer it happened in.
-
-        Raises:
-            GradDebugInternalError: ``strict=True`` was given.
-        """
-        if self.strict:
-            raise GradDebugInternalError(f"graddebug hook failed in {where}: {exc!r}") from exc
-        self._buffer.add_internal(Finding(
-            step=self._step,
-            layer=where,
-            tensor="",
-            issue=Issue.INTERNAL_ERROR.value,
-            severity=Severity.WARNING.value,
-            value=math.nan,
-            threshold=math.nan,
-            message=(
-                f"graddebug failed inside its hook for {where!r} ({type(exc).__name__}: "
-                f"{exc}); training went on untouched but this step's records may be "
-                "incomplete. Please report it; strict=True raises instead."
-            ),
-        ))
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"graddebug: internal error in {where!r}: {exc!r}. Recorded as an "
-                "'internal_error' finding; training continues.",
-                GradDebugWarning,
-                stacklevel=2,
-            )
-
-    def warn_once(self, key: str, message: str) -> None:
-        """Emit ``message`` as a :class:`GradDebugWarning`, once per ``key`` and Watcher.
-
-        For conditions that are not bugs and not errors, but that leave gaps in the records
-        (a tensor graddebug cannot hook, gradients nobody handed over).
-
-        Args:
-            key: What the warning is about; a second warning with the same key is dropped.
-            message: The text, which says what to do.
-        """
-        if key in self._warned_keys or self._quiet:
-            return
-        self._warned_keys.add(key)
-        warnings.warn(message, GradDebugWarning, stacklevel=3)
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -326,7 +279,8 @@ class Watcher(RunResults):
             GradientCountError: ``grads`` does not line up with the watched parameters: another
                 count, or the first entry whose type, shape or dtype is not its parameter's.
         """
-        if not self._active:
+        hooks = self._hooks
+        if not hooks.active:
             raise WatcherStateError(
                 "step() was called outside the `with graddebug.watch(...)` block; "
                 "call it inside the block, once per optimizer step."
@@ -342,11 +296,11 @@ class Watcher(RunResults):
                 "step already, as it does each step under watch(optimizer=...). Leave "
                 "dbg.step() out of the loop, or drop optimizer=."
             )
-        if (grads is None and self.recording and closed is StepState.CLOSED_BY_USER
-                and not (adapter is not None and adapter.has_pending(closing=True))):
-            self.warn_once("step-twice", (
+        if (grads is None and hooks.recording and closed is StepState.CLOSED_BY_USER
+                and not self._pending_for_close()):
+            hooks.warn_once("step-twice", (
                 f"graddebug: dbg.step() was called again with no backward since the last call "
-                f"(step {self._step}); it recorded nothing, since the gradients on the "
+                f"(step {hooks.step}); it recorded nothing, since the gradients on the "
                 "parameters are those of the step already recorded. Call dbg.step() once per "
                 "optimizer step, after backward()."
             ))
@@ -364,57 +318,63 @@ class Watcher(RunResults):
         except GradDebugError:
             raise
         except Exception as exc:  # fail-open: the user's optimizer step has already happened
-            self.internal_error(exc, f"{type(self._options.optimizer).__name__}.step")
+            self._hooks.internal_error(exc, f"{type(self._options.optimizer).__name__}.step")
+
+    def _pending_for_close(self) -> bool:
+        """Whether anything arrived, asked right before a close (see :class:`ReadAhead`)."""
+        if self._read_ahead is not None:
+            return self._read_ahead.pending_for_close()
+        return self._adapter is not None and self._adapter.has_pending()
 
     def _close(self, grads: Sequence[Any] | None, by: StepState) -> StepResult | None:
-        adapter = self._adapter
-        recording = self.recording
+        adapter, hooks = self._adapter, self._hooks
+        step, recording = hooks.step, hooks.recording
         result = None
         try:
             if adapter is not None:
                 with gc_paused():
-                    result = adapter.close_step(self._step, grads, record=recording)
+                    result = adapter.close_step(step, grads, record=recording)
                     if recording:
-                        self._buffer.add(self._step, result)
-                        self._pick_tier(adapter, result)
-                if recording and self._escalation is not None:
+                        self._buffer.add(step, result)
+                        self._pick_tier(result)
+                if recording and hooks.escalation is not None:
                     self._escalate(result)
                 if recording:
                     self._notify(self._pm.hook.graddebug_step_recorded, watcher=self,
-                                 step=self._step, result=result)
+                                 step=step, result=result)
         finally:
             self._closed = by
-        self._step += 1
+        hooks.step += 1
         return result if recording else None
 
-    def _pick_tier(self, adapter: Adapter, result: StepResult) -> None:
-        """Let the rows of the step just recorded decide the next step's tier, and tell the
-        adapter."""
+    def _pick_tier(self, result: StepResult) -> None:
+        """Let the rows of the step just recorded decide the next step's tier, and tell an
+        adapter whose compiled graphs learn it in advance."""
+        hooks = self._hooks
         try:
-            self._tiers.after(self._step, result)
-            # Adapters written before next_step_full() existed ask full_stats as they run.
-            tell = getattr(adapter, "next_step_full", None)
-            if tell is not None:
-                tell(self._tiers.full(self._step + self.every))
+            hooks.tiers.after(hooks.step, result)
+            if self._tiers_sink is not None:
+                self._tiers_sink.next_step_full(hooks.tiers.full(hooks.step + self.every))
         except Exception as exc:  # fail-open: the next steps then keep their tier
-            self.internal_error(exc, "tiers")
+            hooks.internal_error(exc, "tiers")
 
     def _escalate(self, result: StepResult) -> None:
         """Arm op-level capture for the next recorded step after a finding (escalate=True)."""
-        assert self._escalation is not None
+        hooks = self._hooks
+        assert hooks.escalation is not None
         try:
-            self._escalation.after(self._step, result, self._step + self.every)
+            hooks.escalation.after(hooks.step, result, hooks.step + self.every)
         except GradDebugError:
             raise
         except Exception as exc:  # fail-open: escalation only adds detail
-            self.internal_error(exc, "escalate")
+            hooks.internal_error(exc, "escalate")
 
     def _notify(self, hook: Any, **kwargs: Any) -> None:
         # A subscriber's bug (a third-party logger) must not stop training: fail open.
         try:
             hook(**kwargs)
         except Exception as exc:
-            self.internal_error(exc, f"{hook.name} plugin")
+            self._hooks.internal_error(exc, f"{hook.name} plugin")
 
     # -- log_dir --------------------------------------------------------------------------
 
@@ -465,7 +425,7 @@ class Watcher(RunResults):
             WatcherStateError: Called outside the ``with`` block.
             MaskShapeError: ``mask`` does not broadcast to the tensor.
         """
-        if not self._active:
+        if not self.active:
             raise WatcherStateError(
                 f"tap(..., {name!r}) was called outside the `with graddebug.watch(...)` block."
             )
@@ -488,12 +448,7 @@ class Watcher(RunResults):
             WatcherStateError: Called outside the ``with`` block, or without a model.
             ConfigError: The framework has no such callback.
         """
-        if not self._active or self._adapter is None:
-            raise WatcherStateError(
-                "callback() needs an active Watcher with a model: "
-                "`with graddebug.watch(model) as dbg: model.fit(..., callbacks=[dbg.callback()])`."
-            )
-        return self._adapter.callback(**options)
+        return self._trainer("callback").callback(**options)
 
     def fetches(self, grads: Any = None) -> Any:
         """What to fetch in a ``tf.compat.v1`` session's ``run`` for the step to be recorded.
@@ -531,13 +486,36 @@ class Watcher(RunResults):
         """
         return self._graph_adapter("session_hook").session_hook(grads)
 
-    def _graph_adapter(self, what: str) -> Adapter:
-        if not self._active or self._adapter is None:
+    def _graph_adapter(self, what: str) -> SessionGraphs:
+        adapter = self._adapter
+        if not self.active or adapter is None:
             raise WatcherStateError(
                 f"{what}() needs an active Watcher that watches a graph: call it inside "
                 "`with graddebug.watch(params=...)`, after the graph's taps are built."
             )
-        return self._adapter
+        if not isinstance(adapter, SessionGraphs):
+            framework = adapter.name or "a framework"
+            runs = (f"reads statistics through a tf.compat.v1 Session, and this Watcher "
+                    f"watches {framework} code, which runs none" if what == "fetches" else
+                    f"is a tf.compat.v1.train.SessionRunHook, and this Watcher watches "
+                    f"{framework} code, which runs no session")
+            raise ConfigError(f"{what}() {runs}; close each step with dbg.step() instead.")
+        return adapter
+
+    def _trainer(self, what: str) -> Training:
+        adapter = self._adapter
+        if not self.active or adapter is None:
+            raise WatcherStateError(
+                f"{what}() needs an active Watcher with a model: `with graddebug.watch(model) "
+                "as dbg: model.fit(..., callbacks=[dbg.callback()])`."
+            )
+        if not isinstance(adapter, Training):
+            raise ConfigError(
+                f"{what}() needs a framework that trains models, and the "
+                f"{adapter.name or type(adapter).__name__} adapter has no training loop; "
+                "close each step with dbg.step()."
+            )
+        return adapter
 
     def train_step(
         self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any = None
@@ -549,18 +527,18 @@ class Watcher(RunResults):
 
         Raises:
             WatcherStateError: Called outside the ``with`` block, or without a model.
+            ConfigError: The adapter runs no training steps.
         """
-        if not self._active or self._adapter is None:
-            raise WatcherStateError("train_step() needs an active Watcher with a model.")
-        before = self._step
-        grads = self._adapter.train_step(inputs, loss_args, loss_fn, optimizer)
-        if self._step == before:
+        trainer = self._trainer("train_step")
+        before = self.step_index
+        grads = trainer.train_step(inputs, loss_args, loss_fn, optimizer)
+        if self.step_index == before:
             self._close(grads, StepState.CLOSED_BY_USER)
 
     def __repr__(self) -> str:
-        state = "active" if self._active else "inactive"
+        state = "active" if self.active else "inactive"
         adapter = self._adapter.name if self._adapter is not None else "none"
-        return (f"<Watcher {state} adapter={adapter} step={self._step} "
+        return (f"<Watcher {state} adapter={adapter} step={self.step_index} "
                 f"records={self._buffer.rows}>")
 
 

@@ -27,7 +27,7 @@ from graddebug.integrations.stopping import (
 if TYPE_CHECKING:
     import pandas as pd
 
-    from graddebug.adapter import WatchContext
+    from graddebug.adapter import CallbackContext
     from graddebug.capture.watcher import Watcher
     from graddebug.report.report import Report
 
@@ -79,18 +79,24 @@ class CallbackSession:
         self._where = where
         self._hint = start_hint
         self._options = options
-        self.watcher: WatchContext | None = None
+        self.watcher: Watcher | None = None
         self.stop_reason: str | None = None
         self._owned = True
         self._own: Watcher | None = None  # the Watcher this session entered
 
-    def bind(self, context: WatchContext) -> None:
+    def bind(self, context: CallbackContext) -> None:
         """Serve an active Watcher instead of making one: its ``with`` block stays in charge.
 
+        Args:
+            context: The Watcher, as the adapter that builds the callback sees it
+                (:attr:`graddebug.adapter.WatchContext.watcher`).
+
         Raises:
-            WatcherStateError: ``context`` is not active.
+            WatcherStateError: ``context`` is not an active Watcher.
         """
-        if not context.active:
+        from graddebug.capture.watcher import Watcher
+
+        if not isinstance(context, Watcher) or not context.active:
             raise WatcherStateError(f"a bound {self._where} needs an active Watcher.")
         self.watcher, self._owned = context, False
 
@@ -148,7 +154,7 @@ class CallbackSession:
             exc_info = (type(exception), exception, exception.__traceback__)
         watcher.__exit__(*exc_info)
 
-    def require(self) -> WatchContext:
+    def require(self) -> Watcher:
         """The Watcher, once training started.
 
         Raises:
@@ -187,7 +193,7 @@ class SessionResults:
         super().__init__()
 
     @property
-    def watcher(self) -> WatchContext | None:
+    def watcher(self) -> Watcher | None:
         """The Watcher of the latest training run (None before one starts)."""
         return self._session.watcher
 
@@ -197,7 +203,7 @@ class SessionResults:
         return self._session.stop_reason
 
     @classmethod
-    def bound(cls: type[S], context: WatchContext, *, stop_on: Iterable[str] | str = (),
+    def bound(cls: type[S], context: CallbackContext, *, stop_on: Iterable[str] | str = (),
               log: bool = True) -> S:
         """Return a callback that serves an active Watcher instead of making its own: the
         ``with`` block keeps owning the Watcher, and the callback closes its steps, logs and

@@ -37,7 +37,7 @@ from graddebug.records import Record
 if TYPE_CHECKING:
     import os
 
-    from graddebug.adapter import StepResult, WatchContext
+    from graddebug.adapter import StepResult, CallbackContext
     from graddebug.report.report import Report
 
 __all__ = [
@@ -120,7 +120,7 @@ def write_report(report: Report, log_dir: str | os.PathLike[str]) -> Path:
 
 
 @hookimpl
-def graddebug_step_recorded(watcher: WatchContext, step: int, result: StepResult) -> None:
+def graddebug_step_recorded(watcher: CallbackContext, step: int, result: StepResult) -> None:
     """Stream a recorded step to ``watch(tensorboard=DIR)``; nothing when not asked for."""
     log_dir = getattr(watcher, "tensorboard", None)
     if log_dir is None:
@@ -135,7 +135,7 @@ def graddebug_step_recorded(watcher: WatchContext, step: int, result: StepResult
 
 
 @hookimpl
-def graddebug_run_finished(watcher: WatchContext) -> None:
+def graddebug_run_finished(watcher: CallbackContext) -> None:
     """Close the writer of a run that streamed to TensorBoard."""
     writer = _WRITERS.pop(watcher, None)
     if writer is not None:

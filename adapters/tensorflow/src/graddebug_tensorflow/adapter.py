@@ -146,7 +146,7 @@ class TensorFlowAdapter(BaseAdapter):
         self._eager_calls: dict[tuple[str, str, int], int] = {}
         # The sentinel rows of the open eager step, written when it is read (see _watch)
         self._eager_rows = EagerRows()
-        self._peeked: Rows | None = None  # see has_pending(closing=True)
+        self._peeked: Rows | None = None  # see pending_for_close()
         self._fused_close: Any = None  # see _close_given
         # the fused close's concrete function and flat entry point, by which gradients are None
         self._fused_calls: dict[tuple[tuple[bool, ...], bool], tuple[Any, Any]] = {}
@@ -204,7 +204,7 @@ class TensorFlowAdapter(BaseAdapter):
         for name, target in self._targets.items():
             self._patch(target, "call", self._wrap_call(self._layers[name], target.call))
         if self._options.scaler is not None:
-            self.bind_optimizer(self._options.scaler)
+            self.take_gradients(self._options.scaler)
         if self._model is not None:
             self._reset_compiled()
 
@@ -231,7 +231,7 @@ class TensorFlowAdapter(BaseAdapter):
             if getattr(self._model, attr, None) is not None:
                 setattr(self._model, attr, None)
 
-    def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None = None) -> None:
+    def take_gradients(self, optimizer: Any) -> None:
         """Take parameter gradients from ``optimizer.apply``.
 
         Under loss scaling (a ``LossScaleOptimizer``, or ``loss_scale_factor``) the gradients
@@ -240,9 +240,9 @@ class TensorFlowAdapter(BaseAdapter):
         strategy of several replicas, the gradients are all-reduced as the optimizer does
         before they are measured.
 
-        ``on_step`` is not called: an optimizer step inside a compiled ``tf.function`` cannot
-        call back into Python each step, so ``dbg.step()`` (or ``dbg.callback()``) closes the
-        step.
+        The optimizer's steps close no graddebug step (this adapter keeps no step clock): an
+        optimizer step inside a compiled ``tf.function`` cannot call back into Python each
+        step, so ``dbg.step()`` (or ``dbg.callback()``) closes the step.
 
         Raises:
             ConfigError: ``optimizer`` has no ``apply`` method.
@@ -274,9 +274,17 @@ class TensorFlowAdapter(BaseAdapter):
 
         self._patch(optimizer, "apply", apply)
 
-    def has_pending(self, closing: bool = False) -> bool:
+    def has_pending(self) -> bool:
         """Whether a gradient was recorded since the last step closed (one read of the
-        buffers; with ``closing``, a True answer keeps the rows for the close that follows)."""
+        buffers)."""
+        return self._peek(closing=False)
+
+    def pending_for_close(self) -> bool:
+        """As :meth:`has_pending`; a True answer keeps the rows it read for the close that
+        follows (:class:`graddebug.adapter.ReadAhead`)."""
+        return self._peek(closing=True)
+
+    def _peek(self, closing: bool) -> bool:
         self._flush_eager_rows()
         rows = self._buffers.peek()
         pending = bool((rows.acts[..., Col.BWD] > 0).any() or (rows.params[:, 0] > 0).any())
@@ -321,7 +329,7 @@ class TensorFlowAdapter(BaseAdapter):
         """A Keras callback for ``model.fit`` that closes a step after each batch."""
         from graddebug_tensorflow.callback import GradDebugCallback
 
-        return GradDebugCallback(self._ctx, **options)
+        return GradDebugCallback(self._ctx.watcher, self.take_gradients, **options)
 
     # -- layer outputs and taps -----------------------------------------------------------
 
@@ -623,7 +631,7 @@ class TensorFlowAdapter(BaseAdapter):
             if not record:
                 self._buffers.clear()
                 return StepResult()
-            if rows is None and peeked is not None:  # read by has_pending(closing=True)
+            if rows is None and peeked is not None:  # read by pending_for_close()
                 rows = peeked
                 self._buffers.clear()
             elif rows is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -11,7 +11,7 @@ import keras
 from graddebug.integrations.stopping import nonfinite, parse_stop_on, stop_reason
 
 if TYPE_CHECKING:
-    from graddebug.adapter import WatchContext
+    from graddebug.adapter import CallbackContext
 
 __all__ = ["GradDebugCallback"]
 
@@ -26,6 +26,8 @@ class GradDebugCallback(keras.callbacks.Callback):
 
     Args:
         context: The Watcher.
+        take_gradients: Takes the parameter gradients from an optimizer
+            (:meth:`graddebug.adapter.GradientSource.take_gradients` of the adapter).
         stop_on: Issues that stop training (``model.stop_training = True``) at the batch where
             they first appear; ``("nonfinite",)`` is TerminateOnNaN that names the layer.
 
@@ -33,18 +35,19 @@ class GradDebugCallback(keras.callbacks.Callback):
         stop_reason: Why training was stopped, naming the layer; None while it was not.
     """
 
-    def __init__(self, context: WatchContext, stop_on: Iterable[str] = ()) -> None:
+    def __init__(self, context: CallbackContext, take_gradients: Callable[[Any], None],
+                 stop_on: Iterable[str] = ()) -> None:
         super().__init__()
         self._context = context
+        self._take_gradients = take_gradients
         self.stop_on = parse_stop_on(stop_on, "dbg.callback()")
         self.stop_reason: str | None = None
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Take parameter gradients from the optimizer that ``fit`` uses."""
         optimizer = getattr(self.model, "optimizer", None)
-        adapter = self._context.adapter
-        if optimizer is not None and adapter is not None:
-            adapter.bind_optimizer(optimizer, None)
+        if optimizer is not None:
+            self._take_gradients(optimizer)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Close the batch's step; stop training on a finding named in ``stop_on``."""

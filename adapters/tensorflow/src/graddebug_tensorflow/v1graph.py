@@ -166,14 +166,14 @@ class V1GraphAdapter(BaseAdapter):
                 vars(optimizer).pop("apply_gradients", None)
         self._unpatch.clear()
 
-    def has_pending(self, closing: bool = False) -> bool:
+    def has_pending(self) -> bool:
         """Never: the statistics of a step are in the session's hands until ``step()``."""
         return False
 
-    def bind_optimizer(self, optimizer: Any, on_step: Any = None) -> None:
+    def take_gradients(self, optimizer: Any) -> None:
         """Take the ``params=`` gradients from ``optimizer.apply_gradients`` (a
-        ``tf.compat.v1.train.Optimizer``; ``minimize`` calls it) as the graph is built.
-        ``on_step`` is not called: the session's ``run`` is the step, closed by ``step()``.
+        ``tf.compat.v1.train.Optimizer``; ``minimize`` calls it) as the graph is built. The
+        session's ``run`` is the step, closed by ``step()``.
 
         Raises:
             ConfigError: ``optimizer`` has no ``apply_gradients`` method.
@@ -461,7 +461,7 @@ class SessionHook(tf.compat.v1.train.SessionRunHook):
     the taps and gradients before the session.
 
     Args:
-        context: The Watcher, whose ``step()`` closes each step.
+        context: The hook side of the Watcher, whose ``watcher.step()`` closes each step.
         adapter: The adapter that builds the fetches.
         grads: As for :meth:`V1GraphAdapter.fetches`.
     """
@@ -483,7 +483,7 @@ class SessionHook(tf.compat.v1.train.SessionRunHook):
     def after_run(self, run_context: Any, run_values: Any) -> None:
         """Close the step with what the ``run`` fetched."""
         try:
-            self._ctx.step(run_values.results)
+            self._ctx.watcher.step(run_values.results)
         except GradDebugError:
             raise
         except Exception as exc:  # fail-open: the user's run has already happened

@@ -234,7 +234,7 @@ class TorchAdapter(BaseAdapter):
         self._parks = self._options.every > 1 and not runs_compiled and not self._ops.enabled
         self._park_for(self._ctx.step_index)
 
-    def bind_optimizer(self, optimizer: Any, on_step: Callable[[], None] | None) -> None:
+    def follow_optimizer(self, optimizer: Any, on_step: Callable[[], None]) -> None:
         """Call ``on_step`` after each ``optimizer.step()`` (a step post-hook, removed on
         exit): the gradients are still on ``p.grad`` then. Under ``scaler=``, a
         ``scaler.step(optimizer)`` that skips ``optimizer.step()`` calls it too.
@@ -244,10 +244,9 @@ class TorchAdapter(BaseAdapter):
                 watched parameters.
         """
         optimizer = check_optimizer(optimizer, self._params)
-        if on_step is not None:
-            stepped = self._scaling.follow(optimizer, on_step)
-            self._handles.append(optimizer.register_step_post_hook(
-                lambda opt, args, kwargs: stepped()))
+        stepped = self._scaling.follow(optimizer, on_step)
+        self._handles.append(optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: stepped()))
 
     def detach(self) -> None:
         """Remove every module and tensor hook; restore ``model.training`` and the scaler."""
@@ -267,9 +266,9 @@ class TorchAdapter(BaseAdapter):
         if self._model is not None and self._was_training is not None:
             self._model.train(self._was_training)
 
-    def has_pending(self, closing: bool = False) -> bool:
+    def has_pending(self) -> bool:
         """Whether the open step captured anything, or holds gradients nobody recorded (read
-        from Python state: ``closing`` changes nothing)."""
+        from Python state)."""
         state = self._state
         if state.touched or state.captures or state.expected or state.transformed:
             return True
@@ -312,7 +311,7 @@ class TorchAdapter(BaseAdapter):
         """
         from graddebug_torch.lightning import GradDebugCallback
 
-        return GradDebugCallback.bound(self._ctx, **options)
+        return GradDebugCallback.bound(self._ctx.watcher, **options)
 
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
         """Hook ``tensor`` so that its gradient is recorded (and altered) under ``name``."""

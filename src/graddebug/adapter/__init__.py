@@ -1,0 +1,48 @@
+"""The interface between the framework-free core and a framework adapter.
+
+:mod:`~graddebug.adapter.protocol` holds the protocol every adapter implements, the capability
+protocols of what only some frameworks can do, and the two sides of the Watcher that adapters
+and training callbacks see; :mod:`~graddebug.adapter.base` holds the bookkeeping every adapter
+shares. The README's "Writing an adapter" walks through a complete one.
+
+An adapter imports this package, :mod:`graddebug.capture.layers`, :mod:`graddebug.records`, the
+errors and the integration helpers, and nothing else of the core.
+"""
+
+from __future__ import annotations
+
+from graddebug.adapter.base import BaseAdapter
+from graddebug.adapter.protocol import (
+    Adapter,
+    AdapterFactory,
+    CallbackContext,
+    CompiledTiers,
+    Distributed,
+    Distribution,
+    GradientSource,
+    ReadAhead,
+    SessionGraphs,
+    StepClock,
+    StepResult,
+    Training,
+    WatchContext,
+    WatchOptions,
+)
+
+__all__ = [
+    "Adapter",
+    "AdapterFactory",
+    "BaseAdapter",
+    "CallbackContext",
+    "CompiledTiers",
+    "Distributed",
+    "Distribution",
+    "GradientSource",
+    "ReadAhead",
+    "SessionGraphs",
+    "StepClock",
+    "StepResult",
+    "Training",
+    "WatchContext",
+    "WatchOptions",
+]
