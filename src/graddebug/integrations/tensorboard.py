@@ -37,7 +37,7 @@ from graddebug.records import Record
 if TYPE_CHECKING:
     import os
 
-    from graddebug.adapter import StepResult, CallbackContext
+    from graddebug.adapter import CallbackContext, StepResult
     from graddebug.report.report import Report
 
 __all__ = [
