@@ -45,7 +45,7 @@ class HookSide:
                  strict: bool) -> None:
         self._watcher = watcher
         self._buffer = buffer
-        self._every = every
+        self.every = every
         self.tiers = StatTiers(every, full_stats_every)
         self.escalation = escalation
         self._ops = ops
@@ -64,7 +64,7 @@ class HookSide:
     @property
     def recording(self) -> bool:
         """Whether the open step is recorded (``every=N`` records steps 0, N, 2N, ...)."""
-        return self.active and self.step % self._every == 0
+        return self.active and self.step % self.every == 0
 
     @property
     def step_index(self) -> int:

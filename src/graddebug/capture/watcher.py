@@ -3,27 +3,17 @@ and its buffer (:mod:`graddebug.capture.buffer`)."""
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Mapping, Sequence
-from enum import Enum
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import pluggy
 
-from graddebug.adapter import (
-    Adapter,
-    CompiledTiers,
-    Distributed,
-    Distribution,
-    GradientSource,
-    ReadAhead,
-    SessionGraphs,
-    StepClock,
-    StepResult,
-    Training,
-)
-from graddebug.capture.buffer import RunBuffer, gc_paused
+from graddebug.adapter import Adapter, Distributed, Distribution, StepResult
+from graddebug.capture.buffer import RunBuffer
+from graddebug.capture.capabilities import follow, session_graphs, training
 from graddebug.capture.context import HookSide
 from graddebug.capture.escalation import Escalation
 from graddebug.capture.kept import KEEP_STEPS, check_keep_steps
@@ -31,10 +21,10 @@ from graddebug.capture.layers import Intervention, is_op_site
 from graddebug.capture.metadata import run_metadata
 from graddebug.capture.options import build_options, check_tensorboard
 from graddebug.capture.results import RunResults
+from graddebug.capture.steps import Steps, StepState
 from graddebug.config import Thresholds
 from graddebug.errors import (
     ConfigError,
-    GradDebugError,
     UnknownNameError,
     WatcherStateError,
     close_matches,
@@ -45,24 +35,22 @@ from graddebug.runs.writer import DEFAULT_FLUSH_EVERY
 
 __all__ = ["StepState", "Watcher", "watch"]
 
-
-class StepState(Enum):
-    """Where the Watcher stands between two steps."""
-
-    OPEN = "open"
-    """Gradients arrived (or nothing was closed yet): the next close records them."""
-    CLOSED_BY_USER = "closed_by_user"
-    """``dbg.step()`` closed the last step and nothing arrived since."""
-    CLOSED_BY_OPTIMIZER = "closed_by_optimizer"
-    """The optimizer given to ``watch(optimizer=...)`` closed the last step and nothing
-    arrived since."""
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class Watcher(RunResults):
     """Captures gradients of a model, of named tensors, or of taps, and diagnoses them.
 
-    Use it as a context manager; see :func:`watch` for the options. Everything it installed is
+    Use it as a context manager, usually through :func:`watch`. Everything it installed is
     removed when the ``with`` block ends, also when the block raised.
+
+    Args:
+        model: A ``torch.nn.Module`` or a Keras model; None with ``params=`` or for taps only.
+        params, layers, keep, keep_steps, intervene, every, outputs, param_stats, optimizer,
+            scaler, thresholds, strict, log_dir, flush_every, plugin_manager, tensorboard,
+            ops, escalate, full_stats_every: The options, documented on
+            :class:`graddebug.adapter.WatchOptions`.
     """
 
     def __init__(
@@ -117,11 +105,8 @@ class Watcher(RunResults):
             escalation=(Escalation(self.thresholds)
                         if self._options.escalate and not self._options.ops else None),
             ops=self._options.ops, strict=self.strict)
+        self._steps = Steps(self._hooks, buffer, self._pm, self, self._options.optimizer)
         self._adapter: Adapter | None = None
-        # The capabilities asked on every step, found once the adapter is built.
-        self._read_ahead: ReadAhead | None = None
-        self._tiers_sink: CompiledTiers | None = None
-        self._closed = StepState.OPEN  # who closed the last step; OPEN before the first
         self._started = ""
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -139,7 +124,7 @@ class Watcher(RunResults):
             if target is not None:
                 adapter = self._attach(target)
                 if self._options.optimizer is not None:
-                    self._follow(adapter, self._options.optimizer)
+                    follow(adapter, self._options.optimizer, self._steps.by_optimizer)
                 if isinstance(adapter, Distributed):
                     self._buffer.distribution = adapter.distribution()
             self._buffer.start()
@@ -162,41 +147,22 @@ class Watcher(RunResults):
             with self._hooks.quiet(exc_type is not None):
                 if adapter is not None and adapter.has_pending():
                     # A run that ends (or crashes) mid-step keeps what it captured.
-                    self._close(None, StepState.CLOSED_BY_USER)
+                    self._steps.close(None, StepState.CLOSED_BY_USER)
         finally:
             self._hooks.active = False
             if adapter is not None:
                 adapter.detach()
             self._buffer.finish(self.findings)
-            self._notify(self._pm.hook.graddebug_run_finished, watcher=self)
+            self._steps.notify(self._pm.hook.graddebug_run_finished, watcher=self)
         if exc_type is None:
             self._check_unmatched()
 
     def _attach(self, target: object) -> Adapter:
         factory = find_adapter(self._pm, target)
         adapter = self._adapter = factory(self._hooks, self._model, self._params, self._options)
-        self._read_ahead = adapter if isinstance(adapter, ReadAhead) else None
-        self._tiers_sink = adapter if isinstance(adapter, CompiledTiers) else None
+        self._steps.serve(adapter)
         adapter.attach()
         return adapter
-
-    def _follow(self, adapter: Adapter, optimizer: Any) -> None:
-        """Bind ``watch(optimizer=...)``: its steps close graddebug steps where the adapter
-        keeps a step clock, and hand over the gradients where it takes them from there."""
-        follows = False
-        if isinstance(adapter, GradientSource):
-            adapter.take_gradients(optimizer)
-            follows = True
-        if isinstance(adapter, StepClock):
-            adapter.follow_optimizer(optimizer, self._optimizer_stepped)
-            follows = True
-        if not follows:
-            raise ConfigError(
-                f"optimizer={type(optimizer).__name__} cannot be followed: the "
-                f"{adapter.name or type(adapter).__name__} adapter neither steps with an "
-                "optimizer nor takes gradients from one. Drop optimizer= and call dbg.step() "
-                "after each optimizer step."
-            )
 
     def _check_unmatched(self) -> None:
         wanted = self._options.named
@@ -246,10 +212,7 @@ class Watcher(RunResults):
     def step_state(self) -> StepState:
         """Whether the current step is open, or was closed by ``dbg.step()`` or by the
         optimizer with nothing captured since."""
-        if self._closed is StepState.OPEN or (
-                self._adapter is not None and self._adapter.has_pending()):
-            return StepState.OPEN
-        return self._closed
+        return self._steps.state
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -279,102 +242,12 @@ class Watcher(RunResults):
             GradientCountError: ``grads`` does not line up with the watched parameters: another
                 count, or the first entry whose type, shape or dtype is not its parameter's.
         """
-        hooks = self._hooks
-        if not hooks.active:
+        if not self.active:
             raise WatcherStateError(
                 "step() was called outside the `with graddebug.watch(...)` block; "
                 "call it inside the block, once per optimizer step."
             )
-        # The adapter is asked whether anything arrived only where the answer matters: in
-        # TensorFlow it reads the buffers, a host transfer.
-        adapter, closed = self._adapter, self._closed
-        if closed is StepState.CLOSED_BY_OPTIMIZER and not (
-                adapter is not None and adapter.has_pending()):
-            optimizer = type(self._options.optimizer).__name__
-            raise WatcherStateError(
-                f"dbg.step() found no gradient to record: {optimizer}.step() has closed this "
-                "step already, as it does each step under watch(optimizer=...). Leave "
-                "dbg.step() out of the loop, or drop optimizer=."
-            )
-        if (grads is None and hooks.recording and closed is StepState.CLOSED_BY_USER
-                and not self._pending_for_close()):
-            hooks.warn_once("step-twice", (
-                f"graddebug: dbg.step() was called again with no backward since the last call "
-                f"(step {hooks.step}); it recorded nothing, since the gradients on the "
-                "parameters are those of the step already recorded. Call dbg.step() once per "
-                "optimizer step, after backward()."
-            ))
-            return None
-        return self._close(grads, StepState.CLOSED_BY_USER)
-
-    def _optimizer_stepped(self) -> None:
-        """Called by the adapter after each step of the optimizer given to ``watch``: close
-        the step, unless ``dbg.step()`` closed it already and nothing arrived since."""
-        if self.step_state is StepState.CLOSED_BY_USER:
-            self._closed = StepState.CLOSED_BY_OPTIMIZER
-            return
-        try:
-            self._close(None, StepState.CLOSED_BY_OPTIMIZER)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: the user's optimizer step has already happened
-            self._hooks.internal_error(exc, f"{type(self._options.optimizer).__name__}.step")
-
-    def _pending_for_close(self) -> bool:
-        """Whether anything arrived, asked right before a close (see :class:`ReadAhead`)."""
-        if self._read_ahead is not None:
-            return self._read_ahead.pending_for_close()
-        return self._adapter is not None and self._adapter.has_pending()
-
-    def _close(self, grads: Sequence[Any] | None, by: StepState) -> StepResult | None:
-        adapter, hooks = self._adapter, self._hooks
-        step, recording = hooks.step, hooks.recording
-        result = None
-        try:
-            if adapter is not None:
-                with gc_paused():
-                    result = adapter.close_step(step, grads, record=recording)
-                    if recording:
-                        self._buffer.add(step, result)
-                        self._pick_tier(result)
-                if recording and hooks.escalation is not None:
-                    self._escalate(result)
-                if recording:
-                    self._notify(self._pm.hook.graddebug_step_recorded, watcher=self,
-                                 step=step, result=result)
-        finally:
-            self._closed = by
-        hooks.step += 1
-        return result if recording else None
-
-    def _pick_tier(self, result: StepResult) -> None:
-        """Let the rows of the step just recorded decide the next step's tier, and tell an
-        adapter whose compiled graphs learn it in advance."""
-        hooks = self._hooks
-        try:
-            hooks.tiers.after(hooks.step, result)
-            if self._tiers_sink is not None:
-                self._tiers_sink.next_step_full(hooks.tiers.full(hooks.step + self.every))
-        except Exception as exc:  # fail-open: the next steps then keep their tier
-            hooks.internal_error(exc, "tiers")
-
-    def _escalate(self, result: StepResult) -> None:
-        """Arm op-level capture for the next recorded step after a finding (escalate=True)."""
-        hooks = self._hooks
-        assert hooks.escalation is not None
-        try:
-            hooks.escalation.after(hooks.step, result, hooks.step + self.every)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: escalation only adds detail
-            hooks.internal_error(exc, "escalate")
-
-    def _notify(self, hook: Any, **kwargs: Any) -> None:
-        # A subscriber's bug (a third-party logger) must not stop training: fail open.
-        try:
-            hook(**kwargs)
-        except Exception as exc:
-            self._hooks.internal_error(exc, f"{hook.name} plugin")
+        return self._steps.by_user(grads)
 
     # -- log_dir --------------------------------------------------------------------------
 
@@ -448,7 +321,7 @@ class Watcher(RunResults):
             WatcherStateError: Called outside the ``with`` block, or without a model.
             ConfigError: The framework has no such callback.
         """
-        return self._trainer("callback").callback(**options)
+        return training(self._adapter if self.active else None, "callback").callback(**options)
 
     def fetches(self, grads: Any = None) -> Any:
         """What to fetch in a ``tf.compat.v1`` session's ``run`` for the step to be recorded.
@@ -470,7 +343,7 @@ class Watcher(RunResults):
                 ``params=`` chose an adapter.
             ConfigError: The Watcher watches no ``tf.compat.v1`` graph.
         """
-        return self._graph_adapter("fetches").fetches(grads)
+        return session_graphs(self._adapter if self.active else None, "fetches").fetches(grads)
 
     def session_hook(self, grads: Any = None) -> Any:
         """A ``tf.compat.v1.train.SessionRunHook`` for ``MonitoredTrainingSession(hooks=[...])``
@@ -484,38 +357,8 @@ class Watcher(RunResults):
                 ``params=`` chose an adapter.
             ConfigError: The Watcher watches no ``tf.compat.v1`` graph.
         """
-        return self._graph_adapter("session_hook").session_hook(grads)
-
-    def _graph_adapter(self, what: str) -> SessionGraphs:
-        adapter = self._adapter
-        if not self.active or adapter is None:
-            raise WatcherStateError(
-                f"{what}() needs an active Watcher that watches a graph: call it inside "
-                "`with graddebug.watch(params=...)`, after the graph's taps are built."
-            )
-        if not isinstance(adapter, SessionGraphs):
-            framework = adapter.name or "a framework"
-            runs = (f"reads statistics through a tf.compat.v1 Session, and this Watcher "
-                    f"watches {framework} code, which runs none" if what == "fetches" else
-                    f"is a tf.compat.v1.train.SessionRunHook, and this Watcher watches "
-                    f"{framework} code, which runs no session")
-            raise ConfigError(f"{what}() {runs}; close each step with dbg.step() instead.")
-        return adapter
-
-    def _trainer(self, what: str) -> Training:
-        adapter = self._adapter
-        if not self.active or adapter is None:
-            raise WatcherStateError(
-                f"{what}() needs an active Watcher with a model: `with graddebug.watch(model) "
-                "as dbg: model.fit(..., callbacks=[dbg.callback()])`."
-            )
-        if not isinstance(adapter, Training):
-            raise ConfigError(
-                f"{what}() needs a framework that trains models, and the "
-                f"{adapter.name or type(adapter).__name__} adapter has no training loop; "
-                "close each step with dbg.step()."
-            )
-        return adapter
+        adapter = self._adapter if self.active else None
+        return session_graphs(adapter, "session_hook").session_hook(grads)
 
     def train_step(
         self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any = None
@@ -529,11 +372,11 @@ class Watcher(RunResults):
             WatcherStateError: Called outside the ``with`` block, or without a model.
             ConfigError: The adapter runs no training steps.
         """
-        trainer = self._trainer("train_step")
+        trainer = training(self._adapter if self.active else None, "train_step")
         before = self.step_index
         grads = trainer.train_step(inputs, loss_args, loss_fn, optimizer)
         if self.step_index == before:
-            self._close(grads, StepState.CLOSED_BY_USER)
+            self._steps.close(grads, StepState.CLOSED_BY_USER)
 
     def __repr__(self) -> str:
         state = "active" if self.active else "inactive"
@@ -542,61 +385,32 @@ class Watcher(RunResults):
                 f"records={self._buffer.rows}>")
 
 
+def _signature_of(cls: Callable[P, T]) -> Callable[[Callable[..., T]], Callable[P, T]]:
+    """Give the decorated factory the parameters of ``cls``: for type checkers through the
+    ParamSpec, and for ``help()`` and ``inspect.signature`` through ``__signature__``."""
+    def apply(factory: Callable[..., T]) -> Callable[P, T]:
+        signature = inspect.signature(cls).replace(return_annotation=getattr(cls, "__name__", ""))
+        factory.__signature__ = signature  # type: ignore[attr-defined]
+        return factory
+    return apply
+
+
+@_signature_of(Watcher)
 def watch(model: Any = None, **options: Any) -> Watcher:
     """Watch the gradients of a model, of named tensors, or of tapped tensors.
 
     ``with graddebug.watch(model) as dbg:`` around an existing training loop, with ``dbg.step()``
     after each optimizer step, records gradient statistics of every leaf layer's output and of
-    every parameter.
+    every parameter. The keyword options are those of :class:`Watcher`, each documented once,
+    on :class:`graddebug.adapter.WatchOptions`.
 
     Args:
         model: A ``torch.nn.Module`` or a Keras model; None with ``params=`` or for taps only.
-        **options: Keyword options of :class:`Watcher`:
-
-            - ``params``: ``{"W": W, ...}`` tensors or variables recorded as parameters.
-            - ``layers``: names, globs (``"encoder.*"``) or layer types to capture.
-            - ``keep``: layer or tap names whose full gradients are kept as numpy arrays
-              (dense; half-precision and bfloat16 gradients as float32).
-            - ``keep_steps``: how many recorded steps of ``keep=`` gradients are held (default
-              10, the latest); None holds every step. A warning fires once they pass 1 GiB.
-            - ``intervene``: ``{name: {"clip_norm": 1.0, "clip_value":, "mask":, "scale":}}``.
-            - ``every``: record one step in ``every``.
-            - ``full_stats_every``: one recorded step in this many (default 10; also
-              the step after a NaN/Inf or a 10x jump in a layer output's norm, and every
-              recorded step when ``every`` > 1) measures the per-unit extremes of layer-output
-              gradients; the others leave ``absmax`` and ``zero_frac`` of those rows NaN. 1
-              measures everything on every recorded step.
-            - ``outputs``: False records parameters only.
-            - ``param_stats``: ``"norm"`` (default) or ``"full"`` for parameter statistics.
-            - ``optimizer``: the optimizer; each of its steps closes a graddebug step, so the
-              loop needs no ``dbg.step()``.
-            - ``scaler``: the loss scaler of mixed-precision training (``torch.amp.GradScaler``):
-              statistics are divided by its scale, and the steps it skips on overflow are
-              marked (``skipped_step`` events, an ``overflow`` finding), not taken for NaN
-              faults. Keras needs none: a ``LossScaleOptimizer`` (the ``mixed_float16``
-              policy) is found through the model's or ``optimizer=``'s optimizer.
-            - ``thresholds``: a :class:`Thresholds` or a dict of threshold overrides.
-            - ``strict``: raise on a bug inside a hook instead of recording it.
-            - ``log_dir``: a new directory to stream the run to while it trains (Parquet parts
-              and a JSON file; :func:`graddebug.load` reads it, also after a crash). Only
-              rows not yet written stay in memory; ``frame()`` reads the run back.
-            - ``flush_every``: with ``log_dir``, write a part every this many recorded steps
-              (default 100; also at least every 30 s).
-            - ``plugin_manager``: use this pluggy manager instead of the default one.
-            - ``tensorboard``: a directory to stream TensorBoard event files to while it
-              trains (per-tensor norms as scalars, norms over layers as histograms); needs
-              ``pip install graddebug[tensorboard]``.
-            - ``ops``: op-level capture (torch): also record the gradient at the output of
-              every operation of the forward pass (rows of kind ``"op"``, ``layer`` the
-              module it ran in, ``tensor`` the op site ``op@file:line``), and name the
-              operation and source line of NaN/Inf and cut graphs in ``nonfinite`` and
-              ``cut_graph`` findings (their ``source`` column). ``layers=``, ``keep=`` and
-              ``intervene=`` then also take op-site names or globs,
-              ``"<layer>.<op>@<file>:<line>"`` (``"block.torch.log@*"``). Default False.
-            - ``escalate``: op-level capture for one recorded step only, the one after a
-              layer-level ``nonfinite`` or ``cut_graph`` finding (once per issue and layer),
-              so that a recurring problem gets its source line without paying for ``ops=True``
-              on every step. Default False.
+        **options: The options of :class:`graddebug.adapter.WatchOptions` (``params``,
+            ``layers``, ``keep``, ``keep_steps``, ``intervene``, ``every``, ``outputs``,
+            ``param_stats``, ``optimizer``, ``scaler``, ``thresholds``, ``strict``,
+            ``log_dir``, ``flush_every``, ``plugin_manager``, ``tensorboard``, ``ops``,
+            ``escalate``, ``full_stats_every``).
 
     Returns:
         A :class:`Watcher`, to be entered with ``with``.

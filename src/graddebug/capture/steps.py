@@ -1,0 +1,192 @@
+"""Step boundaries: who closed the last step, closing one with the adapter, and what a close
+sets in motion (the rows into the buffer, the next step's statistics tier, op-level escalation,
+the ``graddebug_step_recorded`` subscribers).
+
+The Watcher owns one :class:`Steps` and hands it the adapter once one is built; ``dbg.step()``,
+the optimizer given to ``watch(optimizer=...)`` and the end of the ``with`` block close steps
+through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+import pluggy
+
+from graddebug.adapter import (
+    Adapter,
+    CallbackContext,
+    CompiledTiers,
+    ReadAhead,
+    StepResult,
+)
+from graddebug.capture.buffer import RunBuffer, gc_paused
+from graddebug.capture.context import HookSide
+from graddebug.errors import GradDebugError, WatcherStateError
+
+__all__ = ["StepState", "Steps"]
+
+
+class StepState(Enum):
+    """Where the Watcher stands between two steps."""
+
+    OPEN = "open"
+    """Gradients arrived (or nothing was closed yet): the next close records them."""
+    CLOSED_BY_USER = "closed_by_user"
+    """``dbg.step()`` closed the last step and nothing arrived since."""
+    CLOSED_BY_OPTIMIZER = "closed_by_optimizer"
+    """The optimizer given to ``watch(optimizer=...)`` closed the last step and nothing
+    arrived since."""
+
+
+class Steps:
+    """Closes the steps of one Watcher.
+
+    Args:
+        hooks: The Watcher's hook side, which holds the open step's index.
+        buffer: Where recorded rows go.
+        plugin_manager: Whose ``graddebug_step_recorded`` subscribers hear of each step.
+        watcher: The Watcher, as subscribers see it.
+        optimizer: The optimizer given to ``watch(optimizer=...)``, or None (for messages).
+    """
+
+    def __init__(self, hooks: HookSide, buffer: RunBuffer, plugin_manager: pluggy.PluginManager,
+                 watcher: CallbackContext, optimizer: Any) -> None:
+        self._hooks = hooks
+        self._buffer = buffer
+        self._pm = plugin_manager
+        self._watcher = watcher
+        self._optimizer = type(optimizer).__name__ if optimizer is not None else ""
+        self._adapter: Adapter | None = None
+        # The capabilities asked on every step, found once the adapter is built.
+        self._read_ahead: ReadAhead | None = None
+        self._tiers_sink: CompiledTiers | None = None
+        self._closed = StepState.OPEN  # who closed the last step; OPEN before the first
+
+    def serve(self, adapter: Adapter) -> None:
+        """Close steps with ``adapter`` from now on."""
+        self._adapter = adapter
+        self._read_ahead = adapter if isinstance(adapter, ReadAhead) else None
+        self._tiers_sink = adapter if isinstance(adapter, CompiledTiers) else None
+
+    @property
+    def state(self) -> StepState:
+        """Whether the current step is open, or was closed by ``dbg.step()`` or by the
+        optimizer with nothing captured since."""
+        if self._closed is StepState.OPEN or self.pending():
+            return StepState.OPEN
+        return self._closed
+
+    def pending(self) -> bool:
+        """Whether the adapter captured anything in the open step."""
+        return self._adapter is not None and self._adapter.has_pending()
+
+    def by_user(self, grads: Sequence[Any] | None) -> StepResult | None:
+        """``dbg.step(grads)``: close the open step, unless nothing arrived since the last
+        ``dbg.step()`` (warned once) or the optimizer has closed it already (an error).
+
+        Raises:
+            WatcherStateError: The optimizer given to ``watch(optimizer=...)`` has closed the
+                step already and nothing arrived since.
+        """
+        # The adapter is asked whether anything arrived only where the answer matters: in
+        # TensorFlow it reads the buffers, a host transfer.
+        hooks, closed = self._hooks, self._closed
+        if closed is StepState.CLOSED_BY_OPTIMIZER and not self.pending():
+            raise WatcherStateError(
+                f"dbg.step() found no gradient to record: {self._optimizer}.step() has closed "
+                "this step already, as it does each step under watch(optimizer=...). Leave "
+                "dbg.step() out of the loop, or drop optimizer=."
+            )
+        if (grads is None and hooks.recording and closed is StepState.CLOSED_BY_USER
+                and not self._pending_for_close()):
+            hooks.warn_once("step-twice", (
+                f"graddebug: dbg.step() was called again with no backward since the last call "
+                f"(step {hooks.step}); it recorded nothing, since the gradients on the "
+                "parameters are those of the step already recorded. Call dbg.step() once per "
+                "optimizer step, after backward()."
+            ))
+            return None
+        return self.close(grads, StepState.CLOSED_BY_USER)
+
+    def by_optimizer(self) -> None:
+        """Called by the adapter after each step of the optimizer given to ``watch``: close
+        the step, unless ``dbg.step()`` closed it already and nothing arrived since."""
+        if self.state is StepState.CLOSED_BY_USER:
+            self._closed = StepState.CLOSED_BY_OPTIMIZER
+            return
+        try:
+            self.close(None, StepState.CLOSED_BY_OPTIMIZER)
+        except GradDebugError:
+            raise
+        except Exception as exc:  # fail-open: the user's optimizer step has already happened
+            self._hooks.internal_error(exc, f"{self._optimizer}.step")
+
+    def _pending_for_close(self) -> bool:
+        """Whether anything arrived, asked right before a close (see :class:`ReadAhead`)."""
+        if self._read_ahead is not None:
+            return self._read_ahead.pending_for_close()
+        return self.pending()
+
+    def close(self, grads: Sequence[Any] | None, by: StepState) -> StepResult | None:
+        """Close the open step: the adapter's rows into the buffer when it is recorded, then
+        the next step opens.
+
+        Args:
+            grads: Parameter gradients handed to ``dbg.step()``, or None.
+            by: Who closes it.
+
+        Returns:
+            The step's result; None when ``every=`` skipped it.
+        """
+        adapter, hooks = self._adapter, self._hooks
+        step, recording = hooks.step, hooks.recording
+        result = None
+        try:
+            if adapter is not None:
+                with gc_paused():
+                    result = adapter.close_step(step, grads, record=recording)
+                    if recording:
+                        self._buffer.add(step, result)
+                        self._pick_tier(result)
+                if recording and hooks.escalation is not None:
+                    self._escalate(result)
+                if recording:
+                    self.notify(self._pm.hook.graddebug_step_recorded, watcher=self._watcher,
+                                step=step, result=result)
+        finally:
+            self._closed = by
+        hooks.step += 1
+        return result if recording else None
+
+    def _pick_tier(self, result: StepResult) -> None:
+        """Let the rows of the step just recorded decide the next step's tier, and tell an
+        adapter whose compiled graphs learn it in advance."""
+        hooks = self._hooks
+        try:
+            hooks.tiers.after(hooks.step, result)
+            if self._tiers_sink is not None:
+                self._tiers_sink.next_step_full(hooks.tiers.full(hooks.step + hooks.every))
+        except Exception as exc:  # fail-open: the next steps then keep their tier
+            hooks.internal_error(exc, "tiers")
+
+    def _escalate(self, result: StepResult) -> None:
+        """Arm op-level capture for the next recorded step after a finding (escalate=True)."""
+        hooks = self._hooks
+        assert hooks.escalation is not None
+        try:
+            hooks.escalation.after(hooks.step, result, hooks.step + hooks.every)
+        except GradDebugError:
+            raise
+        except Exception as exc:  # fail-open: escalation only adds detail
+            hooks.internal_error(exc, "escalate")
+
+    def notify(self, hook: Any, **kwargs: Any) -> None:
+        """Call a plugin hook; a subscriber's bug (a third-party logger) must not stop
+        training, so it fails open."""
+        try:
+            hook(**kwargs)
+        except Exception as exc:
+            self._hooks.internal_error(exc, f"{hook.name} plugin")
