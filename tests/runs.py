@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from graddebug import Report, Thresholds
-from graddebug.detectors import diagnose
+from graddebug.diagnosis import diagnose
 from graddebug.frames import event_frame, record_frame
 from graddebug.records import Event, Record
 

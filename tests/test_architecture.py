@@ -1,15 +1,24 @@
 """The dependency rule of the README's Architecture section: import-linter's contracts hold, they
-break when someone adds a backward import, and the import graph has no cycle."""
+break when someone adds a backward import, every module sits in a layer, and the import graph
+has no cycle, not even through type-checking imports."""
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 grimp = pytest.importorskip("grimp")
 pytest.importorskip("importlinter")
@@ -50,10 +59,32 @@ def add_line(file: Path, line: str) -> None:
                     encoding="utf-8")
 
 
+def contracts() -> dict[str, dict[str, Any]]:
+    """The import-linter contracts of pyproject.toml, by id."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    return {c["id"]: c for c in config["tool"]["importlinter"]["contracts"]}
+
+
+def pipeline_layers() -> list[list[str]]:
+    """The modules of each layer of the pipeline contract, top layer first."""
+    return [[name.strip() for name in re.split(r"[|:]", layer)]
+            for layer in contracts()["pipeline"]["layers"]]
+
+
+# A contract's line in lint-imports' report, e.g. "Name BROKEN (2 ignored imports)".
+_VERDICT = re.compile(r"^(?P<name>.+) (?P<verdict>KEPT|BROKEN)(?: \(\d+ ignored imports?\))?$")
+
+
+def verdicts(stdout: str) -> dict[str, str]:
+    """Each contract's name and verdict (``KEPT`` or ``BROKEN``) in lint-imports' report."""
+    return {m["name"]: m["verdict"] for m in map(_VERDICT.match, stdout.splitlines()) if m}
+
+
 def test_the_contracts_hold(tree: Path) -> None:
     result = lint_imports(tree)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 kept, 0 broken" in result.stdout
+    assert len(verdicts(result.stdout)) == 4, result.stdout
 
 
 @pytest.mark.parametrize(("file", "line", "contract"), [
@@ -63,21 +94,31 @@ def test_the_contracts_hold(tree: Path) -> None:
     # a detector asking the Watcher for something
     ("src/graddebug/detectors/dead.py", "from graddebug.capture.watcher import Watcher",
      "The pipeline: a layer imports only layers below it"),
+    # a detector importing the plugin manager that loads it by name
+    ("src/graddebug/detectors/dead.py", "from graddebug.plugins import get_plugin_manager",
+     "The pipeline: a layer imports only layers below it"),
     ("src/graddebug/frames.py", "import torch", "The core imports no framework"),
     ("src/graddebug/cli.py", "from graddebug_torch.demo import run_demo",
      "The core imports no framework"),
-    ("adapters/torch/src/graddebug_torch/lightning.py",
+    ("adapters/torch/src/graddebug_torch/__init__.py",
      "from graddebug.capture.buffer import RunBuffer", "Adapters use the adapter-facing core"),
-    ("adapters/tensorflow/src/graddebug_tensorflow/stats.py",
-     "import graddebug_torch.stats", "Each adapter stands alone"),
+    # the side door: the package reaches the Watcher, and only the demo may go through it
+    ("adapters/tensorflow/src/graddebug_tensorflow/__init__.py", "import graddebug",
+     "Adapters use the adapter-facing core"),
+    ("adapters/tensorflow/src/graddebug_tensorflow/__init__.py", "import graddebug_torch",
+     "Each adapter stands alone"),
 ])
 def test_a_backward_import_breaks_a_contract(tree: Path, file: str, line: str,
                                              contract: str) -> None:
     add_line(tree / file, line)  # inside a function: those count too
     result = lint_imports(tree)
     assert result.returncode == 1, result.stdout + result.stderr
-    broken = [row for row in result.stdout.splitlines() if row.endswith("BROKEN")]
+    broken = [name for name, verdict in verdicts(result.stdout).items() if verdict == "BROKEN"]
     assert len(broken) == 1 and broken[0].startswith(contract), result.stdout
+
+
+def test_no_contract_passes_by_ignoring_indirect_imports() -> None:
+    assert not [i for i, c in contracts().items() if c.get("allow_indirect_imports")]
 
 
 def test_type_checking_imports_do_not_count(tree: Path) -> None:
@@ -120,7 +161,56 @@ def test_no_import_cycle_counting_imports_inside_functions() -> None:
     graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True, cache_dir=None)
     modules = set(graph.modules)
     assert "graddebug.capture.watcher" in modules and "graddebug_torch.adapter" in modules
-    assert find_cycle(graph, modules) is None
+    cycle = find_cycle(graph, modules)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or ())
+
+
+def test_no_import_cycle_counting_type_checking_imports() -> None:
+    graph = grimp.build_graph("graddebug", exclude_type_checking_imports=False, cache_dir=None)
+    modules = set(graph.modules)
+    assert "graddebug.hookspecs" in modules
+    cycle = find_cycle(graph, modules)
+    assert cycle is None, "import cycle through type-checking imports: " + " -> ".join(
+        cycle or ())
+
+
+def test_nothing_the_plugin_manager_loads_by_name_imports_it_back() -> None:
+    from graddebug.plugins import DEFAULT_PLUGINS
+
+    graph = grimp.build_graph("graddebug", exclude_type_checking_imports=True, cache_dir=None)
+    back = {name: graph.find_shortest_chain(importer=name, imported="graddebug.plugins")
+            for name in DEFAULT_PLUGINS}
+    assert {name: chain for name, chain in back.items() if chain} == {}
+
+
+def test_every_module_of_graddebug_sits_in_a_layer_of_the_pipeline() -> None:
+    named = [name for layer in pipeline_layers() for name in layer]
+    graph = grimp.build_graph("graddebug", exclude_type_checking_imports=False, cache_dir=None)
+    outside = {m for m in graph.modules
+               if not any(m == name or m.startswith(f"{name}.") for name in named)}
+    # The package is the public API, above every layer: no module of graddebug imports it.
+    assert not graph.find_modules_that_directly_import("graddebug")
+    # A package whose __init__ imports nothing (graddebug.capture) needs no layer of its own.
+    empty = {m for m in outside
+             if graph.find_children(m) and not graph.find_modules_directly_imported_by(m)}
+    assert outside - empty == {"graddebug"}, sorted(outside - empty - {"graddebug"})
+    assert len(named) == len(set(named)), named
+    assert set(named) <= set(graph.modules), sorted(set(named) - set(graph.modules))
+
+
+MAX_FUNCTION_LINES = 60
+"""The longest a function of the core may be, its docstring included."""
+
+
+def test_no_function_of_the_core_is_longer_than_sixty_lines() -> None:
+    long = []
+    for file in sorted(PACKAGES["graddebug"].rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{file.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert long == []
 
 
 def test_the_cycle_check_finds_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 
-from graddebug import ConfigError, Thresholds
+from graddebug import ConfigError, Thresholds, Watcher
+from graddebug.config import WATCH_OPTIONS
 
 
 def test_defaults_are_the_documented_anchor_values() -> None:
@@ -52,3 +54,11 @@ def test_coerce_accepts_mapping_and_rejects_other_types() -> None:
 def test_as_dict_round_trips() -> None:
     t = Thresholds(growth_factor=50.0)
     assert Thresholds(**t.as_dict()) == t
+
+
+def test_watch_options_are_the_keyword_parameters_of_the_watcher_in_order() -> None:
+    parameters = inspect.signature(Watcher.__init__).parameters.values()
+    keywords = tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    assert keywords == WATCH_OPTIONS
+    assert [p.name for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY] == [
+        "self", "model"]

@@ -11,7 +11,7 @@ import pytest
 
 import graddebug
 from graddebug.config import Thresholds
-from graddebug.detectors import diagnose
+from graddebug.diagnosis import diagnose
 from graddebug.errors import ConfigError
 from graddebug.frames import combine_ranks, event_frame, finding_frame, record_frame, with_rank
 from graddebug.records import ALL_RANKS, Event, EventKind, Record

@@ -19,7 +19,9 @@ Every block runs in a temporary working directory. To run a new kind of block, a
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
+import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -309,3 +311,60 @@ def test_the_readme_has_the_blocks_this_module_is_written_for() -> None:
     parsed = blocks(README.read_text(encoding="utf-8"))
     assert {b.setup for b in parsed} >= set(PRELUDES)
     assert sum(b.pytest for b in parsed) >= 1
+
+
+def options_table(text: str) -> list[str]:
+    """The option names of the table under the README's "Options of `watch`", in its order."""
+    lines = text.splitlines()
+    start = lines.index("## Options of `watch`")
+    names = []
+    for line in lines[start + 1:]:
+        if line.startswith("## "):
+            break
+        if (row := re.match(r"\| `(\w+)=` \|", line)) is not None:
+            names.append(row.group(1))
+    return names
+
+
+def attributes(doc: str) -> list[str]:
+    """The names an ``Attributes:`` section of a Google-style docstring documents."""
+    section = inspect.cleandoc(doc).split("\nAttributes:\n", 1)[1]
+    section = re.split(r"^\S", section, maxsplit=1, flags=re.MULTILINE)[0]  # up to the next one
+    return re.findall(r"^ {4}(\w+):", section, flags=re.MULTILINE)
+
+
+def test_the_options_table_the_watcher_and_watch_options_name_the_same_options() -> None:
+    from graddebug.adapter import WatchOptions
+    from graddebug.config import WATCH_OPTIONS
+
+    table = options_table(README.read_text(encoding="utf-8"))
+    assert len(table) == len(set(table)), table
+    assert sorted(table) == sorted(WATCH_OPTIONS), (
+        f"rows to add: {sorted(set(WATCH_OPTIONS) - set(table))}, "
+        f"rows to remove: {sorted(set(table) - set(WATCH_OPTIONS))}")
+    fields = {f.name for f in dataclasses.fields(WatchOptions)}
+    assert set(WATCH_OPTIONS) <= fields, sorted(set(WATCH_OPTIONS) - fields)
+    documented = attributes(WatchOptions.__doc__ or "")
+    assert set(WATCH_OPTIONS) <= set(documented), sorted(set(WATCH_OPTIONS) - set(documented))
+    assert set(documented) <= fields, sorted(set(documented) - fields)
+
+
+def test_the_attributes_parser_reads_one_section() -> None:
+    doc = """Options.
+
+    Attributes:
+        every: Record one step in N;
+            continued: not a name.
+        ops: Op-level capture.
+
+    Note:
+        later: not an attribute.
+    """
+    assert attributes(doc) == ["every", "ops"]
+
+
+def test_the_options_table_parser_reads_rows_up_to_the_next_section() -> None:
+    text = ("## Options of `watch`\n\n| option | default | meaning |\n|---|---|---|\n"
+            "| `layers=` | all | which |\n| `keep=` | none | kept |\n\n## Next\n"
+            "| `every=` | 1 | not an option of this table |\n")
+    assert options_table(text) == ["layers", "keep"]

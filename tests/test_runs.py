@@ -18,7 +18,7 @@ import pytest
 import graddebug
 import runs
 from graddebug import Report, Thresholds
-from graddebug.detectors import diagnose
+from graddebug.diagnosis import diagnose
 from graddebug.errors import (
     ConfigError,
     CorruptRunError,

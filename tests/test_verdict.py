@@ -8,7 +8,7 @@ import pytest
 
 from conftest import make_record
 from graddebug import ConfigError, Report, Thresholds
-from graddebug.detectors import diagnose
+from graddebug.diagnosis import diagnose
 from graddebug.frames import event_frame, finding_frame, record_frame
 from graddebug.records import Finding
 from graddebug.report.verdict import findings_table

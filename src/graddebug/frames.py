@@ -126,6 +126,22 @@ def combine_ranks(records: pd.DataFrame) -> pd.DataFrame:
     act, par = records[is_act], records[~is_act]
     par = (par.sort_values("rank", kind="stable")
            .drop_duplicates(_KEYS).assign(rank=ALL_RANKS))
+    out = _pool_slices(act)[list(records.columns)]
+    combined = pd.concat([out, par], ignore_index=True)
+    return combined.sort_values("step", kind="stable", ignore_index=True)
+
+
+def _pool_slices(act: pd.DataFrame) -> pd.DataFrame:
+    """Pool every rank's slice of the activation (and op) gradients into global rows.
+
+    Args:
+        act: The activation and op rows of every rank.
+
+    Returns:
+        One row per ``(step, layer, tensor, kind)``, its statistics combined as
+        :func:`combine_ranks` describes, in the record dtypes; the columns are not yet in the
+        frame's order.
+    """
     norm = act["norm"].to_numpy(dtype=float)
     numel = act["numel"].to_numpy(dtype=float)
     broken = (act["nan"] | act["inf"]).to_numpy()
@@ -156,9 +172,7 @@ def combine_ranks(records: pd.DataFrame) -> pd.DataFrame:
     out["rank"] = np.where(birth == np.iinfo(np.int64).max, ALL_RANKS, birth)
     if "_pre" in out:
         out["pre_norm"] = np.sqrt(out.pop("_pre").to_numpy())
-    out = out.astype({c: RECORD_DTYPES[c] for c in out.columns})[list(records.columns)]
-    combined = pd.concat([out, par], ignore_index=True)
-    return combined.sort_values("step", kind="stable", ignore_index=True)
+    return out.astype({c: RECORD_DTYPES[c] for c in out.columns})
 
 
 def summary_frame(records: pd.DataFrame, findings: pd.DataFrame) -> pd.DataFrame:

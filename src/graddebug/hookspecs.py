@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from graddebug.config import Thresholds
     from graddebug.detectors import Evidence
     from graddebug.records import Finding
-    from graddebug.report.report import Report
 
 __all__ = ["hookimpl", "hookspec"]
 
@@ -59,7 +58,7 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
 
 
 @hookspec(firstresult=True)
-def graddebug_demo(steps: int, seed: int) -> Report | None:
+def graddebug_demo(steps: int, seed: int) -> object | None:
     """Train the built-in demonstration model under ``watch`` and return its run.
 
     Implemented by framework adapters (the torch adapter trains a deep sigmoid MLP whose first
@@ -72,7 +71,9 @@ def graddebug_demo(steps: int, seed: int) -> Report | None:
 
     Returns:
         The :class:`graddebug.Report` of the run, whose ``metadata["demo"]`` describes the
-        model and the data in a sentence; or None to let another plugin answer.
+        model and the data in a sentence; or None to let another plugin answer. (Typed
+        ``object`` here: the hook specs sit below the report layer and name none of its
+        types.)
     """
 
 

@@ -77,6 +77,61 @@ def check_log_dir(log_dir: Any) -> None:
         check_run_path(log_dir, "log_dir")
 
 
+def _check_params(params: Mapping[str, Any] | None) -> None:
+    """Check ``params=``: None, or a non-empty mapping of names to tensors or variables.
+
+    Args:
+        params: The ``params=`` option.
+
+    Raises:
+        ConfigError: ``params`` is not a mapping, or is empty.
+    """
+    if params is not None and not isinstance(params, Mapping):
+        raise ConfigError(
+            f"params={params!r} must map names to tensors or variables, "
+            'for example params={"W": W, "b": b}.'
+        )
+    if params is not None and not params:
+        raise ConfigError("params={} is empty; pass at least one tensor, or leave it out.")
+
+
+def _keep_names(keep: Sequence[str] | str | None) -> list[str] | None:
+    """Check ``keep=`` and return its names as a list.
+
+    Args:
+        keep: The ``keep=`` option: a name, a list of names, or None.
+
+    Returns:
+        The names, or None when the option was not given.
+
+    Raises:
+        ConfigError: ``keep`` is not a name or a list of them, or an entry is not a str.
+    """
+    kept = _as_list("keep", keep, 'a layer or tap name or a list of names, e.g. keep=["fc1"]')
+    for name in kept or ():
+        if not isinstance(name, str):
+            raise ConfigError(f"keep entry {name!r} must be a layer or tap name (a str).")
+    return kept
+
+
+def _refuse_op_sites(named_by: Iterable[tuple[str, Iterable[str]]]) -> None:
+    """Refuse op-site names when op-level capture is off: nothing would ever match them.
+
+    Args:
+        named_by: Each option's name and the names it gives.
+
+    Raises:
+        ConfigError: An option names an op site; the message shows the call with ``ops=True``.
+    """
+    for option, names in named_by:
+        named = [n for n in names if is_op_site(n)]
+        if named:
+            raise ConfigError(
+                f"{option}= names op site {named[0]!r}, but op sites are captured only with "
+                f"ops=True: watch(model, ops=True, {option}=...)."
+            )
+
+
 def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | str | type | None,
                   keep: Sequence[str] | str | None, intervene: Mapping[str, Any] | None,
                   every: int, outputs: bool, param_stats: Literal["norm", "full"],
@@ -107,30 +162,15 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
     check_log_dir(log_dir)
     if param_stats not in ("norm", "full"):
         raise ConfigError(f"param_stats={param_stats!r} must be 'norm' or 'full'.")
-    if params is not None and not isinstance(params, Mapping):
-        raise ConfigError(
-            f"params={params!r} must map names to tensors or variables, "
-            'for example params={"W": W, "b": b}.'
-        )
-    if params is not None and not params:
-        raise ConfigError("params={} is empty; pass at least one tensor, or leave it out.")
-    kept = _as_list("keep", keep, 'a layer or tap name or a list of names, e.g. keep=["fc1"]')
-    for name in kept or ():
-        if not isinstance(name, str):
-            raise ConfigError(f"keep entry {name!r} must be a layer or tap name (a str).")
+    _check_params(params)
+    kept = _keep_names(keep)
     chosen = _as_list("layers", layers, 'a layer name, a glob, a layer type, or a list of '
                       'them, e.g. layers=["encoder.*", torch.nn.Linear]')
     sites = [n for n in chosen or () if is_op_site(n)]
     interventions = parse_interventions(intervene)
     if not ops:
-        for option, names in (("layers", sites), ("keep", kept or ()),
-                              ("intervene", interventions)):
-            named = [n for n in names if is_op_site(n)]
-            if named:
-                raise ConfigError(
-                    f"{option}= names op site {named[0]!r}, but op sites are captured only with "
-                    f"ops=True: watch(model, ops=True, {option}=...)."
-                )
+        _refuse_op_sites((("layers", sites), ("keep", kept or ()),
+                          ("intervene", interventions)))
     return WatchOptions(
         layers=[n for n in chosen if not is_op_site(n)] if chosen is not None else None,
         keep=frozenset(kept or ()),

@@ -13,7 +13,7 @@ import pluggy
 
 from graddebug.capture.buffer import RunBuffer
 from graddebug.config import Thresholds
-from graddebug.detectors import diagnose
+from graddebug.diagnosis import diagnose
 from graddebug.errors import RunFileError, WatcherStateError
 from graddebug.frames import summary_frame
 from graddebug.report.report import Report, notebook_html

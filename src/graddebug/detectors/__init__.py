@@ -1,96 +1,24 @@
-"""Built-in diagnoses, one plugin module each, the evidence they share, and :func:`diagnose`.
+"""Built-in diagnoses, one plugin module each, and the evidence they share.
 
 Each module implements the ``graddebug_findings`` hook. They read only the record frame and the
-structural events, so they serve every framework unchanged. :func:`diagnose` runs every detector
-plugin (built-in or installed) over a run's frames; the live Watcher and a loaded Report both
-call it.
+structural events, so they serve every framework unchanged. :func:`graddebug.diagnosis.diagnose`
+runs every detector plugin (built-in or installed) over a run's frames. :mod:`graddebug.plugins`
+loads these modules by name, so nothing here imports the plugin manager.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from graddebug.frames import combine_ranks, finding_frame
-from graddebug.plugins import get_plugin_manager
-from graddebug.records import ALL_RANKS, EventKind, Finding, Issue, Kind, Severity
+from graddebug.records import EventKind, Finding, Issue, Kind, Severity
 
-if TYPE_CHECKING:
-    import pluggy
-
-    from graddebug.config import Thresholds
-
-__all__ = ["Evidence", "as_int", "diagnose", "finding", "fmt"]
-
-
-def diagnose(
-    records: pd.DataFrame,
-    events: pd.DataFrame,
-    thresholds: Thresholds,
-    *,
-    extra: Iterable[Finding] = (),
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> pd.DataFrame:
-    """Run every detector plugin over recorded frames.
-
-    Args:
-        records: A record frame (``Watcher.frame()``).
-        events: An event frame (``Watcher.events()``).
-        thresholds: The thresholds the detectors apply.
-        extra: Findings that come from elsewhere (internal errors) and join the result.
-        plugin_manager: The manager whose detectors run; the process-wide one by default.
-
-    Returns:
-        The findings frame, ordered by step and severity. The rows of a multi-rank run are
-        diagnosed combined (:func:`graddebug.frames.combine_ranks`), and each finding says
-        which rank shows it.
-    """
-    pm = plugin_manager or get_plugin_manager()
-    evidence = Evidence(records=combine_ranks(records), events=events)
-    combined = evidence.records
-    found: list[Finding] = []
-    for batch in pm.hook.graddebug_findings(evidence=evidence, thresholds=thresholds):
-        found.extend(batch)
-    return finding_frame([*extra, *_with_ranks(found, combined, events)])
-
-
-def _with_ranks(found: list[Finding], records: pd.DataFrame, events: pd.DataFrame
-                ) -> list[Finding]:
-    """Findings with the rank whose rows show them.
-
-    In one rank's rows that rank. In a multi-rank run's combined rows (see
-    :func:`graddebug.frames.combine_ranks`), a ``nonfinite`` finding names the lowest rank
-    where its tensor was not finite, in the backward rows or a forward event; other findings
-    concern every rank (:data:`~graddebug.records.ALL_RANKS`).
-    """
-    ranks = set(records["rank"].unique()) | set(events["rank"].unique())
-    if not found or ranks <= {0}:
-        return found
-    if len(ranks) == 1:
-        only = int(ranks.pop())
-        return [f._replace(rank=only) for f in found]
-    birth: dict[tuple[int, str, str], int] = {}
-    marked = records[records["rank"] != ALL_RANKS]
-    nonfinite = events[events["event"] == EventKind.FORWARD_NONFINITE.value]
-    for frame in (marked, nonfinite):
-        for step, layer, tensor, rank in zip(frame["step"], frame["layer"], frame["tensor"],
-                                             frame["rank"], strict=True):
-            key = (int(step), str(layer), str(tensor))
-            birth[key] = min(int(rank), birth.get(key, int(rank)))
-    out = []
-    for f in found:
-        rank = birth.get((f.step, f.layer, f.tensor), ALL_RANKS) \
-            if f.issue == Issue.NONFINITE.value else ALL_RANKS
-        if rank != ALL_RANKS:
-            f = f._replace(message=f"{f.message} It appeared on rank {rank}.")
-        out.append(f._replace(rank=rank))
-    return out
+__all__ = ["Evidence", "as_int", "finding", "fmt"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from graddebug.config import WATCH_OPTIONS
 from graddebug.errors import ConfigError, close_matches
 from graddebug.records import EventKind, Issue, Record
 
@@ -83,11 +84,9 @@ def check_watch_options(options: Mapping[str, Any], where: str, own: Sequence[st
     Raises:
         ConfigError: An unknown name, with the closest known ones.
     """
-    import inspect
-
-    from graddebug.capture.watcher import Watcher
-
-    known = [n for n in inspect.signature(Watcher).parameters if n not in ("model", "optimizer")]
+    # The optimizer is never passed on: check() takes it as its own option, and a callback
+    # takes the trainer's.
+    known = [n for n in WATCH_OPTIONS if n != "optimizer"]
     for name in options:
         if name not in known:
             raise ConfigError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pandas as pd
 
@@ -19,9 +19,29 @@ from graddebug.report.digest import ISSUE_COLUMNS, WORST_COLUMNS, issue_table, w
 from graddebug.report.plots import figure_png, flow_figure, heatmap_figure
 
 if TYPE_CHECKING:
-    from graddebug.report.report import Report
+    from graddebug.config import Thresholds
 
-__all__ = ["MAX_TABLE_ROWS", "render_html"]
+__all__ = ["MAX_TABLE_ROWS", "ReportView", "render_html"]
+
+
+class ReportView(Protocol):
+    """What the page reads of a run; :class:`graddebug.Report` is one.
+
+    This module does not import the Report: ``Report.to_html`` imports this module, and the
+    import graph has no cycle, not even through type-checking imports.
+    """
+
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
+
+    @property
+    def thresholds(self) -> Thresholds: ...
+
+    def frame(self) -> pd.DataFrame: ...
+
+    def findings(self) -> pd.DataFrame: ...
+
+    def summary(self) -> pd.DataFrame: ...
 
 MAX_TABLE_ROWS = 1000
 """The findings and summary tables show at most this many rows (the page says how many)."""
@@ -80,7 +100,7 @@ def _metadata_table(metadata: Mapping[str, Any]) -> str:
     return f"<table>{''.join(rows)}</table>" if rows else "<p>none.</p>"
 
 
-def _banner(report: Report) -> str:
+def _banner(report: ReportView) -> str:
     findings = report.findings()
     run = report.metadata.get("run", {})
     parts = []
@@ -102,7 +122,41 @@ def _banner(report: Report) -> str:
     return "".join(parts)
 
 
-def render_html(report: Report, *, title: str | None = None,
+def _page_name(metadata: Mapping[str, Any], title: str | None) -> str:
+    """The page's title.
+
+    Args:
+        metadata: The run's metadata.
+        title: The title the caller asked for, if any.
+
+    Returns:
+        ``title``, else the run's path, else the model class, else ``"graddebug run"``.
+    """
+    run = metadata.get("run", {}) if isinstance(metadata.get("run"), Mapping) else {}
+    return title or str(run.get("path") or metadata.get("model") or "graddebug run")
+
+
+def _facts(metadata: Mapping[str, Any], records: pd.DataFrame, summary: pd.DataFrame,
+           findings: pd.DataFrame) -> str:
+    """The line under the page's title: steps, tensors, findings, framework and model.
+
+    Args:
+        metadata: The run's metadata.
+        records: The record frame.
+        summary: The per-layer summary (one row per tensor).
+        findings: The findings frame.
+
+    Returns:
+        The line, not yet HTML-escaped.
+    """
+    framework = " ".join(str(metadata[k]) for k in ("framework", "framework_version")
+                         if metadata.get(k))
+    return (f"{records['step'].nunique()} recorded steps, {len(summary)} tensors, "
+            f"{len(findings)} findings; framework {framework or '?'}, "
+            f"model {metadata.get('model') or '?'}")
+
+
+def render_html(report: ReportView, *, title: str | None = None,
                 progress: Callable[[str], None] | None = None) -> str:
     """Build the self-contained HTML page of a run.
 
@@ -123,23 +177,15 @@ def render_html(report: Report, *, title: str | None = None,
 
     records, findings, summary = report.frame(), report.findings(), report.summary()
     meta = report.metadata
-    run = meta.get("run", {}) if isinstance(meta.get("run"), Mapping) else {}
-    name = title or str(run.get("path") or meta.get("model") or "graddebug run")
+    name = _page_name(meta, title)
     stage("gradient flow plot")
     flow = figure_png(flow_figure(records, findings))
     stage("heatmap")
     heat = figure_png(heatmap_figure(records, findings))
     stage("tables")
-    steps = records["step"].nunique()
-    tensors = len(summary)
-    framework = " ".join(str(meta[k]) for k in ("framework", "framework_version") if meta.get(k))
-    facts = (f"{steps} recorded steps, {tensors} tensors, {len(findings)} findings; "
-             f"framework {framework or '?'}, model {meta.get('model') or '?'}")
-    worst = worst_layers(summary, findings)
-    thresholds = report.thresholds.as_dict()
     body = [
         f"<h1>graddebug report: {escape(name)}</h1>",
-        f'<p class="note">{escape(facts)}</p>',
+        f'<p class="note">{escape(_facts(meta, records, summary, findings))}</p>',
         _banner(report),
         "<h2>Findings by issue</h2>",
         _table(issue_table(findings), ISSUE_COLUMNS, "findings"),
@@ -149,7 +195,7 @@ def render_html(report: Report, *, title: str | None = None,
         f'<img alt="heatmap of log10 gradient norm, steps by tensors" '
         f'src="data:image/png;base64,{heat}">',
         "<h2>Worst layers</h2>",
-        _table(worst, WORST_COLUMNS, "layers"),
+        _table(worst_layers(summary, findings), WORST_COLUMNS, "layers"),
         "<h2>All findings</h2>",
         _table(findings, with_rank(findings, FINDING_COLUMNS), "findings"),
         "<h2>Per-layer summary</h2>",
@@ -157,7 +203,7 @@ def render_html(report: Report, *, title: str | None = None,
         "<h2>Metadata</h2>",
         _metadata_table(meta),
         "<h2>Thresholds</h2>",
-        _metadata_table(thresholds),
+        _metadata_table(report.thresholds.as_dict()),
     ]
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

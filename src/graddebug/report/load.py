@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from graddebug.detectors import diagnose
+from graddebug.diagnosis import diagnose
 from graddebug.records import Finding
 from graddebug.report.report import Report
 from graddebug.runs.reader import Progress, read_run

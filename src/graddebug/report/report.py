@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from graddebug.config import Thresholds
-from graddebug.detectors import diagnose
+from graddebug.diagnosis import diagnose
 from graddebug.errors import RunFileError
 from graddebug.frames import summary_frame
 from graddebug.records import Finding, Issue

@@ -291,26 +291,16 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
     """
     run = _resolve(path)
     damaged: list[tuple[Path, str]] = []
-    try:
-        meta = read_meta(run)
-    except CorruptRunError as exc:
-        if not skip_damaged:
-            raise
-        damaged.append((run / META_FILE, str(exc.__cause__ or exc)))
-        meta = {"status": "running", "metadata": {}, "thresholds": {}}
+    meta = _read_meta(run, skip_damaged, damaged)
     ranks = _rank_statuses(run, meta)
     finished = meta.get("status") == "complete" and all(v == "complete" for v in ranks.values())
     # A multi-rank run stores no findings: they come from every rank's rows, on loading.
     complete = finished and not ranks and isinstance(meta.get("columns"), dict)
     specs: dict[str, ColumnSpec] = {}
     if complete:
-        try:
-            specs = _specs(meta.get("columns"), run / META_FILE)
-        except CorruptRunError as exc:
-            if not skip_damaged:
-                raise
-            damaged.append((run / META_FILE, str(exc)))
-            complete = False  # read the parts as streamed, and diagnose them again
+        stored = _stored_specs(run, meta, skip_damaged, damaged)
+        complete = stored is not None  # else read the parts as streamed, and diagnose again
+        specs = stored or {}
     findings_file = run / FINDINGS_FILE
     streams, others = _read_all(run, [findings_file] if complete else [], progress,
                                 complete=finished)
@@ -319,7 +309,87 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
     damaged += streams.damaged
     complete = complete and findings_file in others
     thresholds = _thresholds(meta.get("thresholds"))
-    specs = specs if complete else {}
+    frames, findings = _frames(run, streams, specs if complete else {},
+                               others[findings_file] if complete else None)
+    if ranks:  # every rank's rows, step by step
+        for stream in ("records", "events"):
+            frames[stream] = frames[stream].sort_values(["step", "rank"], kind="stable",
+                                                        ignore_index=True)
+    metadata = _run_metadata(run, meta, ranks, damaged, frames["records"]["step"],
+                             finished=finished, complete=complete)
+    return StoredRun(run, frames["records"], frames["events"], frames["internal"], findings,
+                     thresholds, metadata)
+
+
+def _read_meta(run: Path, skip_damaged: bool, damaged: list[tuple[Path, str]]
+               ) -> dict[str, Any]:
+    """Read the run's JSON file, or stand in for a damaged one.
+
+    Args:
+        run: The run directory.
+        skip_damaged: Stand in for a damaged file instead of raising.
+        damaged: Where a damaged file and the reason are added.
+
+    Returns:
+        The file's content; for a damaged file, that of a run still running, with no
+        metadata and default thresholds.
+
+    Raises:
+        CorruptRunError: The file is damaged and ``skip_damaged`` is False.
+    """
+    try:
+        return read_meta(run)
+    except CorruptRunError as exc:
+        if not skip_damaged:
+            raise
+        damaged.append((run / META_FILE, str(exc.__cause__ or exc)))
+        return {"status": "running", "metadata": {}, "thresholds": {}}
+
+
+def _stored_specs(run: Path, meta: Mapping[str, Any], skip_damaged: bool,
+                  damaged: list[tuple[Path, str]]) -> dict[str, ColumnSpec] | None:
+    """The column specs that a complete run's JSON file gives for its stored files.
+
+    Args:
+        run: The run directory.
+        meta: The content of its JSON file.
+        skip_damaged: Return None for damaged specs instead of raising.
+        damaged: Where a damaged file and the reason are added.
+
+    Returns:
+        The specs by frame (``"records"``, ``"events"``, ``"findings"``, ...), or None when
+        they are damaged.
+
+    Raises:
+        CorruptRunError: The specs are damaged and ``skip_damaged`` is False.
+    """
+    try:
+        return _specs(meta.get("columns"), run / META_FILE)
+    except CorruptRunError as exc:
+        if not skip_damaged:
+            raise
+        damaged.append((run / META_FILE, str(exc)))
+        return None
+
+
+def _frames(run: Path, streams: _Streams, specs: Mapping[str, ColumnSpec],
+            findings: Any | None) -> tuple[dict[str, pd.DataFrame], pd.DataFrame | None]:
+    """Build the frames of the streams and, for a complete run, of its stored findings.
+
+    Args:
+        run: The run directory, for the message.
+        streams: The tables read, by stream.
+        specs: The column specs of a complete run's files; empty to read the streams as
+            streamed.
+        findings: The stored findings table of a complete run, else None.
+
+    Returns:
+        The frame of each stream, and the findings frame (None when they must be diagnosed
+        again).
+
+    Raises:
+        CorruptRunError: The files do not fit together or do not match the JSON file.
+    """
     frames: dict[str, pd.DataFrame] = {}
     try:
         for stream, tables in streams.tables.items():
@@ -327,20 +397,35 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
             spec = specs.get(stream)
             frames[stream] = (_ranked(table_to_frame(table, spec), STREAMS[stream][1]) if spec
                               else _stream_frame(stream, table))
-        findings = (_ranked(table_to_frame(others[findings_file], specs["findings"]),
-                            FINDING_DTYPES) if complete else None)
+        stored = (_ranked(table_to_frame(findings, specs["findings"]), FINDING_DTYPES)
+                  if findings is not None else None)
     except (KeyError, TypeError, ValueError) as exc:  # Arrow's errors derive from these too
         raise CorruptRunError(
             f"run {str(run)!r}: its files do not fit together or do not match {META_FILE} "
             f"({type(exc).__name__}: {exc})", path=str(run), recoverable="nothing reliable",
         ) from exc
+    return frames, stored
+
+
+def _run_metadata(run: Path, meta: Mapping[str, Any], ranks: Mapping[int, str],
+                  damaged: Sequence[tuple[Path, str]], steps: pd.Series, *, finished: bool,
+                  complete: bool) -> dict[str, Any]:
+    """The run's stored metadata, with what reading it found under ``"run"``.
+
+    Args:
+        run: The run directory.
+        meta: The content of its JSON file.
+        ranks: The status of every rank but 0 (empty for one process).
+        damaged: The damaged files skipped, with the reasons.
+        steps: The ``step`` column of the record frame.
+        finished: Every rank finished its run.
+        complete: The stored findings were read (False: diagnosed again).
+
+    Returns:
+        The metadata of the loaded run.
+    """
     stored = meta.get("metadata")
     metadata = dict(stored) if isinstance(stored, dict) else {}
-    if ranks:  # every rank's rows, step by step
-        for stream in ("records", "events"):
-            frames[stream] = frames[stream].sort_values(["step", "rank"], kind="stable",
-                                                        ignore_index=True)
-    steps = frames["records"]["step"]
     metadata["run"] = {
         "path": str(run),
         "status": "complete" if finished else "incomplete",
@@ -350,8 +435,7 @@ def read_run(path: str | os.PathLike[str], *, skip_damaged: bool = False,
         "damaged": [str(f) for f, _ in damaged],
         "ranks": {"0": meta.get("status"), **{str(r): v for r, v in ranks.items()}},
     }
-    return StoredRun(run, frames["records"], frames["events"], frames["internal"], findings,
-                     thresholds, metadata)
+    return metadata
 
 
 def _rank_statuses(run: Path, meta: Mapping[str, Any]) -> dict[int, str]:
