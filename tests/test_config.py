@@ -62,3 +62,20 @@ def test_watch_options_are_the_keyword_parameters_of_the_watcher_in_order() -> N
     assert keywords == WATCH_OPTIONS
     assert [p.name for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY] == [
         "self", "model"]
+
+
+def test_watch_has_the_watchers_signature() -> None:
+    import graddebug
+
+    assert list(inspect.signature(graddebug.watch).parameters) == ["model", *WATCH_OPTIONS]
+
+
+def test_watch_options_defaults_are_the_watchers_after_checking() -> None:
+    from graddebug.adapter import WatchOptions
+
+    with Watcher() as dbg:
+        options = dbg._options
+    fresh = WatchOptions()
+    for name in WATCH_OPTIONS:
+        assert getattr(options, name) == getattr(fresh, name), name
+    assert options.thresholds == Thresholds()

@@ -11,15 +11,18 @@ import importlib.util
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from graddebug.adapter import WatchOptions
 from graddebug.capture.layers import is_op_site, parse_interventions
-from graddebug.config import as_number
+from graddebug.config import Thresholds, as_number
 from graddebug.errors import ConfigError, MissingFrameworkError
 from graddebug.runs.layout import check_run_path
+
+if TYPE_CHECKING:
+    import pluggy
 
 __all__ = ["build_options", "check_flag", "check_log_dir", "check_tensorboard"]
 
@@ -133,30 +136,36 @@ def _refuse_op_sites(named_by: Iterable[tuple[str, Iterable[str]]]) -> None:
 
 
 def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | str | type | None,
-                  keep: Sequence[str] | str | None, intervene: Mapping[str, Any] | None,
-                  every: int, outputs: bool, param_stats: Literal["norm", "full"],
-                  optimizer: Any, flush_every: int, strict: bool = False,
-                  log_dir: str | os.PathLike[str] | None = None,
-                  scaler: Any = None, ops: bool = False,
-                  escalate: bool = False, full_stats_every: int = 10) -> WatchOptions:
-    """Check the options of ``watch`` and return what the adapter reads.
+                  keep: Sequence[str] | str | None, keep_steps: int | None,
+                  intervene: Mapping[str, Any] | None, every: int, outputs: bool,
+                  param_stats: Literal["norm", "full"], optimizer: Any, scaler: Any,
+                  thresholds: Thresholds, strict: bool, log_dir: str | os.PathLike[str] | None,
+                  flush_every: int, plugin_manager: pluggy.PluginManager | None,
+                  tensorboard: Any, ops: bool, escalate: bool,
+                  full_stats_every: int) -> WatchOptions:
+    """Check the options of ``watch`` and return them as the Watcher and its adapter read
+    them.
 
     Args:
-        params, layers, keep, intervene, every, outputs, param_stats, optimizer, flush_every,
-        strict, log_dir, scaler, ops, escalate, full_stats_every: As documented on
-        :func:`graddebug.watch` (the adapter checks that ``scaler`` is a scaler of its
-        framework).
+        params, layers, keep, keep_steps, intervene, every, outputs, param_stats, optimizer,
+        scaler, thresholds, strict, log_dir, flush_every, plugin_manager, tensorboard, ops,
+        escalate, full_stats_every: As documented on :class:`WatchOptions`; ``keep_steps``
+        and ``thresholds`` come checked already (:func:`graddebug.capture.kept.check_keep_steps`,
+        :meth:`Thresholds.coerce`), and the adapter checks that ``scaler`` is a scaler of its
+        framework.
 
     Raises:
         ConfigError: An option has an unusable value, or an entry of ``layers=``, ``keep=``
             or ``intervene=`` names an op site without ``ops=True``.
+        MissingFrameworkError: ``log_dir`` was given and pyarrow is missing, or
+            ``tensorboard`` was given and tensorboardX is missing.
     """
-    _positive_int("flush_every", flush_every, "steps")
+    flush_every = _positive_int("flush_every", flush_every, "steps")
     every = _positive_int("every", every, "1 records every step")
     full_stats_every = _positive_int("full_stats_every", full_stats_every,
                                      "1 measures every statistic on every recorded step")
     outputs = check_flag("outputs", outputs)
-    check_flag("strict", strict)
+    strict = check_flag("strict", strict)
     ops = check_flag("ops", ops)
     escalate = check_flag("escalate", escalate)
     check_log_dir(log_dir)
@@ -184,6 +193,14 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
         escalate=escalate,
         op_sites=frozenset(sites),
         full_stats_every=full_stats_every,
+        params=params,
+        keep_steps=keep_steps,
+        thresholds=thresholds,
+        strict=strict,
+        log_dir=log_dir,
+        flush_every=flush_every,
+        plugin_manager=plugin_manager,
+        tensorboard=check_tensorboard(tensorboard),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
@@ -19,7 +20,7 @@ from graddebug.capture.escalation import Escalation
 from graddebug.capture.kept import KEEP_STEPS, check_keep_steps
 from graddebug.capture.layers import Intervention, is_op_site
 from graddebug.capture.metadata import run_metadata
-from graddebug.capture.options import build_options, check_tensorboard
+from graddebug.capture.options import build_options
 from graddebug.capture.results import RunResults
 from graddebug.capture.steps import Steps, StepState
 from graddebug.config import Thresholds
@@ -77,35 +78,32 @@ class Watcher(RunResults):
         escalate: bool = False,
         full_stats_every: int = 10,
     ) -> None:
-        self._options = build_options(
-            params=params, layers=layers, keep=keep, intervene=intervene, every=every,
-            outputs=outputs, param_stats=param_stats, optimizer=optimizer,
-            flush_every=flush_every, strict=strict, log_dir=log_dir, scaler=scaler, ops=ops,
-            escalate=escalate, full_stats_every=full_stats_every)
-        if model is None and (self._options.ops or self._options.escalate):
-            option = "ops" if self._options.ops else "escalate"
+        self._options = options = build_options(
+            params=params, layers=layers, keep=keep, keep_steps=check_keep_steps(keep_steps),
+            intervene=intervene, every=every, outputs=outputs, param_stats=param_stats,
+            optimizer=optimizer, scaler=scaler, thresholds=Thresholds.coerce(thresholds),
+            strict=strict, log_dir=log_dir, flush_every=flush_every,
+            plugin_manager=plugin_manager, tensorboard=tensorboard, ops=ops, escalate=escalate,
+            full_stats_every=full_stats_every)
+        if model is None and (options.ops or options.escalate):
+            option = "ops" if options.ops else "escalate"
             raise ConfigError(
                 f"{option}=True captures the operations of a model's forward pass, and no "
                 f"model was given: watch(model, {option}=True). Without a model, tap() the "
                 "tensors to watch."
             )
-        self.strict = bool(strict)
-        self.every = self._options.every
-        self.tensorboard = check_tensorboard(tensorboard)
         self._model = model
-        self._params = params
-        buffer = RunBuffer(log_dir, flush_every, self._describe,
+        buffer = RunBuffer(log_dir, options.flush_every, self._describe,
                            lambda exc, where: self._hooks.internal_error(exc, where),
-                           keep_steps=check_keep_steps(keep_steps),
+                           keep_steps=options.keep_steps,
                            warn=lambda key, message: self._hooks.warn_once(key, message))
-        super().__init__(buffer, Thresholds.coerce(thresholds),
-                         plugin_manager or get_plugin_manager())
+        super().__init__(buffer, options.thresholds, plugin_manager or get_plugin_manager())
         self._hooks = HookSide(
-            self, buffer, every=self.every, full_stats_every=self._options.full_stats_every,
+            self, buffer, every=options.every, full_stats_every=options.full_stats_every,
             escalation=(Escalation(self.thresholds)
-                        if self._options.escalate and not self._options.ops else None),
-            ops=self._options.ops, strict=self.strict)
-        self._steps = Steps(self._hooks, buffer, self._pm, self, self._options.optimizer)
+                        if options.escalate and not options.ops else None),
+            ops=options.ops, strict=options.strict)
+        self._steps = Steps(self._hooks, buffer, self._pm, self, options.optimizer)
         self._adapter: Adapter | None = None
         self._started = ""
 
@@ -116,8 +114,8 @@ class Watcher(RunResults):
         if hooks.active:
             raise WatcherStateError("this Watcher is already active; use one `with` per Watcher.")
         target = self._model
-        if target is None and self._params is not None:
-            target = next(iter(self._params.values()))
+        if target is None and self._options.params is not None:
+            target = next(iter(self._options.params.values()))
         hooks.active = True
         self._started = self._started or now()
         try:
@@ -159,7 +157,8 @@ class Watcher(RunResults):
 
     def _attach(self, target: object) -> Adapter:
         factory = find_adapter(self._pm, target)
-        adapter = self._adapter = factory(self._hooks, self._model, self._params, self._options)
+        options = self._options
+        adapter = self._adapter = factory(self._hooks, self._model, options.params, options)
         self._steps.serve(adapter)
         adapter.attach()
         return adapter
@@ -183,6 +182,21 @@ class Watcher(RunResults):
             )
 
     # -- where the run stands ---------------------------------------------------------
+
+    @property
+    def every(self) -> int:
+        """The watch's ``every=``: one step in this many is recorded."""
+        return self._options.every
+
+    @property
+    def strict(self) -> bool:
+        """The watch's ``strict=``: a bug inside a hook raises instead of being recorded."""
+        return self._options.strict
+
+    @property
+    def tensorboard(self) -> Path | None:
+        """The watch's ``tensorboard=`` directory, or None."""
+        return self._options.tensorboard
 
     @property
     def active(self) -> bool:
@@ -258,7 +272,7 @@ class Watcher(RunResults):
     def _run_metadata(self) -> dict[str, Any]:
         settings: dict[str, Any] = {
             "every": self.every, "strict": self.strict,
-            "params": list(self._params) if self._params is not None else None}
+            "params": list(self._options.params) if self._options.params is not None else None}
         log = self._buffer.log
         if log is not None:
             settings.update(log_dir=str(log.path), flush_every=log.flush_every)
