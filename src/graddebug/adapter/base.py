@@ -14,6 +14,10 @@ __all__ = ["BaseAdapter"]
 L = TypeVar("L")
 
 
+def _mask(intervention: Intervention | None) -> object:
+    return intervention.mask if intervention is not None else None
+
+
 class BaseAdapter:
     """The bookkeeping every adapter shares; subclasses add only what is framework-specific.
 
@@ -88,12 +92,15 @@ class BaseAdapter:
 
     def _tap_layer(self, name: str, intervention: Intervention | None) -> LayerSpec:
         """The layer entry of a tap, created at its first call; ``intervention`` replaces the
-        previous one."""
+        previous one, and a mask other than the previous one is checked again at its first
+        use."""
         layer = self._layers.get(name)
         if layer is None:
             layer = self._layers[name] = LayerSpec(name=name, keep=name in self._options.keep)
         if name in self._options.named:
             self._matched.add(name)
+        if _mask(intervention) is not _mask(layer.intervention):
+            layer.mask_checked = False
         layer.intervention = intervention
         return layer
 
