@@ -683,14 +683,14 @@ def test_sharded_nonfinite_gradients_are_flagged(group: None) -> None:
 
 def test_sharded_failures_fail_open_and_strict_raises(group: None,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import graddebug_torch.sharded as sharded
+    import graddebug_torch.distributed as distributed
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("boom")
 
     model = _fully_shard(net(), _dtensor_param(torch.zeros(1))[1])
     x, y = global_batch(0)
-    monkeypatch.setattr(sharded, "_local_slice", broken)
+    monkeypatch.setattr(distributed, "_local_slice", broken)
     warns = pytest.warns(graddebug.GradDebugWarning, match="boom")
     with warns, graddebug.watch(model) as dbg:
         loss_fn(model(x), y).backward()

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import graddebug  # noqa: E402
-import graddebug_torch.adapter as torch_adapter  # noqa: E402
+import graddebug_torch.watching as torch_watching  # noqa: E402
 from graddebug import (  # noqa: E402
     ConfigError,
     GradDebugError,
@@ -152,7 +152,7 @@ def test_bug_inside_a_hook_fails_open(monkeypatch) -> None:
     plain, watched = copy.deepcopy(base), copy.deepcopy(base)
     data = batches(3, (4, 32))
     train(plain, data)
-    monkeypatch.setattr(torch_adapter, "_unit_dim", broken)
+    monkeypatch.setattr(torch_watching, "_unit_dim", broken)
     with pytest.warns(GradDebugWarning, match="bug inside graddebug") as warned, \
             graddebug.watch(watched) as dbg:
         train(watched, data, dbg)
@@ -166,7 +166,7 @@ def test_bug_inside_a_hook_fails_open(monkeypatch) -> None:
 
 def test_strict_raises_the_bug(monkeypatch) -> None:
     model = relu_mlp(depth=2, width=4)
-    monkeypatch.setattr(torch_adapter, "_unit_dim", broken)
+    monkeypatch.setattr(torch_watching, "_unit_dim", broken)
     with graddebug.watch(model, strict=True), pytest.raises(GradDebugInternalError) as info:
         model(torch.randn(2, 32)).sum().backward()
     assert isinstance(info.value.__cause__, ZeroDivisionError)

@@ -399,12 +399,12 @@ def test_a_compiled_model_trains_on_with_ops_and_a_warning() -> None:
 
 def test_a_bug_in_op_capture_is_an_internal_error_not_a_crash(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from graddebug_torch import ops
+    from graddebug_torch.ops import flow
 
     def broken(*args: Any) -> None:
         raise RuntimeError("a bug in op capture")
 
-    monkeypatch.setattr(ops.OpCapture, "_follow", broken)
+    monkeypatch.setattr(flow.ValueFlow, "follow", broken)
     model, x = FunctionalMLP(), torch.randn(2, 6)
     with pytest.warns(graddebug.GradDebugWarning, match="internal error"), \
             graddebug.watch(model, ops=True) as dbg:

@@ -88,7 +88,7 @@ def test_a_hook_added_while_parked_runs_and_comes_after_graddebugs():
             if i == 1:
                 first = next(iter(model[2]._forward_hooks.values()))
                 assert isinstance(first, functools.partial)  # graddebug's, back in front
-                assert first.func.__name__ == "_on_forward"
+                assert first.func.__name__ == "on_forward"
     assert calls == [1, 2]
     assert {"0", "1", "2"} <= set(dbg.frame().query("step == 2")["layer"])
 

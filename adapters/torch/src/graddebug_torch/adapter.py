@@ -1,4 +1,11 @@
-"""Capture and intervention for PyTorch: forward hooks attach tensor hooks to layer outputs."""
+"""The torch adapter: what it watches, its hooks' lifetime, and the close of each step.
+
+:class:`TorchAdapter` resolves the watched modules and parameters, registers and removes every
+hook, and closes each step. The hooks themselves live in :mod:`graddebug_torch.watching`
+(layer outputs and taps), :mod:`graddebug_torch.ops` (op-level capture) and
+:mod:`graddebug_torch.compiled` (inside ``torch.compile``); the close turns their captures into
+records in :mod:`graddebug_torch.closing`.
+"""
 
 from __future__ import annotations
 
@@ -12,45 +19,17 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContext, WatchOptions
-from graddebug.capture.layers import (
-    Intervention,
-    LayerSpec,
-    intervene_fail_open,
-    keep_label,
-    select_layers,
-)
+from graddebug.capture.layers import Intervention, LayerSpec, select_layers
 from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind
-from graddebug_torch.compiled import (
-    NEEDS_GRAD,
-    NO_FORWARD_WARNING,
-    SEVERED,
-    UNJUDGED,
-    UNJUDGED_WARNING,
-    Ran,
-    run_eagerly,
-    trace_forward,
-    tracing,
-)
-from graddebug_torch.guards import (
-    FUNCTORCH_WARNING,
-    ModuleOwners,
-    check_mask_device,
-    in_functorch_transform,
-    transform_running,
-)
+from graddebug_torch.closing import gather
+from graddebug_torch.compiled import NO_FORWARD_WARNING, run_eagerly, tracing
+from graddebug_torch.distributed import ShardedMarks, distribution, reduce_sharded
+from graddebug_torch.guards import ModuleOwners, check_mask_device, in_functorch_transform
 from graddebug_torch.ops import OpCapture
-from graddebug_torch.outputs import (
-    CHANNELS_FIRST,
-    KEEPS_FINITE,
-    SEVERED_DETAIL,
-    any_requires_grad,
-    fits,
-    flatten,
-    watched_by_default,
-)
-from graddebug_torch.outputs import unit_dim as _unit_dim  # patched by the fail-open tests
+from graddebug_torch.outputs import CHANNELS_FIRST, KEEPS_FINITE, watched_by_default
 from graddebug_torch.params import (
+    ParamRow,
     TorchParam,
     check_optimizer,
     given_params,
@@ -60,38 +39,12 @@ from graddebug_torch.params import (
     release_rows,
 )
 from graddebug_torch.parking import HookParking
-from graddebug_torch.scaler import LossScaling
-from graddebug_torch.sharded import is_sharded, reduce_sharded
-from graddebug_torch.staging import SmallGrads
-from graddebug_torch.stats import (
-    DotSums,
-    apply_intervention,
-    square_sum,
-    unit_extremes,
-    whole_absmax,
-)
-from graddebug_torch.step import (
-    Capture,
-    CollectorPause,
-    ForwardChecks,
-    ParamRow,
-    StepCaptures,
-    gather,
-    kept_array,
-    shape_text,
-)
-from graddebug_torch.valueflow import ValueFlows, needs_value_flow, never_cuts
+from graddebug_torch.scaling import LossScaling
+from graddebug_torch.valueflow import needs_value_flow, never_cuts
+from graddebug_torch.watching import OutputWatch
 from graddebug_torch.wrappers import class_name, clean_name, compiled, unwrap
 
 __all__ = ["TorchAdapter"]
-
-def _grad_mark(grad: Tensor | None) -> tuple[int, int] | None:
-    """Which gradient a tensor's ``.grad`` holds, and how often it changed in place."""
-    if grad is None:
-        return None
-    # FSDP2 accumulates into the slice, unseen by the DTensor's own version counter.
-    local: Tensor = grad.to_local() if is_sharded(grad) else grad  # type: ignore[attr-defined]
-    return id(grad), local._version
 
 
 class TorchAdapter(BaseAdapter):
@@ -123,31 +76,24 @@ class TorchAdapter(BaseAdapter):
         self._modules: dict[str, nn.Module] = {}
         self._params: list[TorchParam] = []
         self._handles: list[RemovableHandle] = []
-        self._staging = SmallGrads()  # gradients
-        self._sums = DotSums()
-        self._pause = CollectorPause()
-        self._forward_staging = SmallGrads()  # outputs, for the forward check
-        self._state = StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums))
+        self._watch = OutputWatch(context, self._layers, self._take_depth, self._fail_open)
         self._owners = ModuleOwners()
-        self._grad_hooks: dict[tuple[str, str], Callable[[Tensor], Tensor | None]] = {}
         self._was_training: bool | None = None
-        self._flows = ValueFlows()
         # Forward hooks taken off the modules on the steps every= skips; _parks says whether
         # that may be done (not once a compiled graph has called back from them).
         self._parking = HookParking()
         self._parks = False
         # Forward hooks that find nothing once their layer's depth is known (see _drop_idle).
         self._idle: list[tuple[LayerSpec, RemovableHandle]] = []
-        # Per sharded parameter (by index), its gradient's identity and version when the last
-        # step closed: FSDP2 may set .grad without running the post-accumulate hooks.
-        self._sharded_marks: dict[int, tuple[int, int] | None] = {}
-        self._ops = OpCapture(self)
         self._resolve(params)
-        self._sharded = [i for i, p in enumerate(self._params) if p.sharded]
+        self._ops = OpCapture(self._watch, options, model=self._model, root=self._root,
+                              watched=self._modules, name=self._name, matched=self._matched)
+        self._sharded = ShardedMarks([p.param for p in self._params if p.sharded])
 
     # -- set-up ----------------------------------------------------------------------------
 
     def _resolve(self, params: Mapping[str, Any] | None) -> None:
+        """Find the watched modules and parameters (names are checked here, on entry)."""
         options = self._options
         if self._root is not None:
             named = {self._name(n): m for n, m in self._root.named_modules()}
@@ -162,6 +108,8 @@ class TorchAdapter(BaseAdapter):
         number_groups(self._params)
 
     def _name(self, qualified: str) -> str:
+        """The layer name of a qualified module name: wrappers' parts removed, the root
+        named by its class."""
         name = clean_name(qualified)
         if name or self._root is None:
             return name
@@ -169,12 +117,14 @@ class TorchAdapter(BaseAdapter):
 
     def _select(self, named: dict[str, nn.Module], layers: Sequence[Any] | None
                 ) -> dict[str, nn.Module]:
+        """The modules ``layers=`` selects (by default, :func:`watched_by_default`)."""
         if layers is None:
             return {n: m for n, m in named.items() if watched_by_default(m)}
         owner = class_name(self._root) if self._root is not None else ""
         return select_layers(named, layers, noun="module", owner=owner)
 
     def _model_layer_names(self) -> list[str]:
+        """Every module's layer name, watched or not (for suggestions)."""
         if self._root is None:
             return []
         return [self._name(n) for n, _ in self._root.named_modules()]
@@ -205,12 +155,12 @@ class TorchAdapter(BaseAdapter):
         runs_compiled = target is not None and compiled(target)
         for name, module in self._modules.items():
             layer = self._layers[name]
-            hook = module.register_forward_hook(functools.partial(self._on_forward, layer))
+            hook = module.register_forward_hook(functools.partial(self._watch.on_forward, layer))
             handles = [hook]
             if not layer.capture and not runs_compiled and never_cuts(module):
                 self._idle.append((layer, hook))
             if needs_value_flow(module):
-                handles += self._flows.follow(
+                handles += self._watch.flows.follow(
                     module, lambda: self._ctx.recording and torch.is_grad_enabled(),
                     functools.partial(self._fail_open, name))
             self._handles += handles
@@ -219,12 +169,13 @@ class TorchAdapter(BaseAdapter):
         for index, param in enumerate(self._params):
             if param.param.requires_grad:
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_param_grad, index)))
+                    functools.partial(self._watch.on_param_grad, index)))
         # Only graddebug's per-output objects (and op capture's) are worth pausing it for.
         makes_objects = self._ops.enabled or any(self._layers[n].capture for n in self._modules)
         if self._root is not None and makes_objects and not runs_compiled:
-            collector = [self._root.register_forward_pre_hook(self._forward_begins),
-                         self._root.register_forward_hook(self._forward_ends, always_call=True)]
+            collector = [self._root.register_forward_pre_hook(self._watch.forward_begins),
+                         self._root.register_forward_hook(self._watch.forward_ends,
+                                                          always_call=True)]
             self._handles += collector
             parking.add(self._root, collector)
         self._scaling.attach()
@@ -258,26 +209,22 @@ class TorchAdapter(BaseAdapter):
         self._handles.clear()
         self._idle.clear()
         self._parking.clear()
-        self._flows.clear()
+        self._watch.flows.clear()
         self._ops.detach()
         self._owners.release()
-        self._drop_step()
-        self._staging = SmallGrads()  # the staging buffers go with the hooks
+        self._watch.release()
         if self._model is not None and self._was_training is not None:
             self._model.train(self._was_training)
 
     def has_pending(self) -> bool:
         """Whether the open step captured anything, or holds gradients nobody recorded (read
         from Python state)."""
-        state = self._state
+        state = self._watch.state
         if state.touched or state.captures or state.expected or state.transformed:
             return True
         if self._ctx.step_index == 0:
             return any(p.param.grad is not None for p in self._params)
-        params = self._params
-        return any(params[i].param.grad is not None
-                   and _grad_mark(params[i].param.grad) != self._sharded_marks.get(i)
-                   for i in self._sharded)
+        return self._sharded.changed()
 
     def train_step(
         self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any
@@ -326,15 +273,16 @@ class TorchAdapter(BaseAdapter):
             )
         check_mask_device(intervention, name)
         layer = self._tap_layer(name, intervention)
+        watch = self._watch
         if in_functorch_transform():
-            self._skip_transformed()
+            watch.skip_transformed()
             return tensor
         if not self._ctx.recording or not torch.is_grad_enabled():
-            self._intervene_unrecorded(tensor, intervention, name)
+            watch.intervene_unrecorded(tensor, intervention, name)
             return tensor
         if layer.depth < 0:
             layer.depth = self._take_depth()
-        state = self._state
+        state = watch.state
         if not tensor.requires_grad:
             detail = ("the tapped tensor does not require a gradient although an earlier tap "
                       "did, so the graph was cut between them") if state.tap_requires_grad else (
@@ -344,192 +292,10 @@ class TorchAdapter(BaseAdapter):
                                       EventKind.DETACHED_OUTPUT.value, detail))
             return tensor
         state.tap_requires_grad = True
-        self._watch_tensor(layer, "output", tensor)
+        watch.watch_tensor(layer, "output", tensor)
         return tensor
 
-    # -- hooks ------------------------------------------------------------------------------
-
-    def _on_param_grad(self, index: int, param: Tensor) -> None:
-        """The post-accumulate hook of a watched parameter: it holds the gradient, so that
-        ``step()`` may come after ``zero_grad(set_to_none=True)``.
-
-        Every parameter gradient is measured when the step closes, in one fused pass, as it
-        is then: after accumulation, clipping, unscaling or a multi-rank all-reduce. A kernel
-        per gradient here, inside the backward pass, cost more than that pass.
-        """
-        state = self._state
-        state.touched = True
-        grad = param.grad
-        if grad is not None and self._ctx.recording:
-            state.received[index] = grad
-
-    def _forward_begins(self, module: nn.Module, args: Any) -> None:
-        """The root module's forward starts: pause the collector on recorded steps."""
-        if torch.compiler.is_compiling() or not (self._ctx.recording
-                                                 and torch.is_grad_enabled()):
-            return
-        self._pause.resume()  # a backward pass that raised before its end left it paused
-        self._pause.pause()
-
-    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
-        """The root module's forward returned or raised: resume the collector."""
-        if not torch.compiler.is_compiling():
-            self._pause.resume()
-
-    def _skip_transformed(self) -> None:
-        """A forward or a tap inside a ``torch.func`` transform: skipped, with one warning."""
-        self._state.transformed = True
-        self._ctx.warn_once("functorch", FUNCTORCH_WARNING)
-
-    def _on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
-        if tracing():
-            # Dynamo is tracing this hook into a compiled graph, whose operators call back
-            # here (args is then a Ran) and _on_grad when it runs: see graddebug_torch.compiled.
-            if torch.is_grad_enabled():
-                trace_forward(layer, module, args, output)
-            return
-        ctx = self._ctx
-        if isinstance(args, Ran):  # a compiled forward, calling back as it runs
-            self._parks = False  # the hooks come back when the step closes
-            self._idle.clear()  # and stay
-            if ctx.recording:
-                with self._fail_open(layer.name):
-                    if layer.depth < 0:
-                        layer.depth = self._take_depth()
-                    state = self._state
-                    for tname, check, flag in zip(args.names, args.checks, args.flags,
-                                                  strict=True):
-                        key = (layer.name, tname)
-                        if check is not None:
-                            state.forward.add(key, layer.depth, check)
-                        if flag & NEEDS_GRAD:
-                            state.expected.setdefault(key, layer.depth)
-                        if flag & SEVERED:
-                            state.events.append(Event(
-                                ctx.step_index, layer.name, tname, layer.depth,
-                                EventKind.DETACHED_OUTPUT.value, SEVERED_DETAIL))
-                        if flag & UNJUDGED:
-                            ctx.warn_once("compiled-value-flow",
-                                          UNJUDGED_WARNING.format(layer=layer.name))
-            return
-        if not ctx.recording:  # a step every= skips: nothing to do but interventions
-            if layer.intervention is not None and not transform_running():
-                self._intervene_outputs(layer, output)
-            return
-        flow = self._flows.finished(module)  # left unread on skipped steps: replaced per call
-        if transform_running():
-            self._skip_transformed()
-            return
-        if not torch.is_grad_enabled():
-            if layer.intervention is not None:
-                self._intervene_outputs(layer, output)
-            return
-        with self._fail_open(layer.name):
-            if layer.depth < 0:
-                layer.depth = self._take_depth()
-            tensors = (("output", output),) if isinstance(output, Tensor) else flatten(output)
-            for tname, tensor in tensors:
-                if not tensor.is_floating_point():
-                    continue
-                if layer.capture:
-                    self._watch_tensor(layer, tname, tensor)
-                if tensor.requires_grad or not any_requires_grad(args):
-                    continue
-                # Without a ValueFlow the module owns trainable parameters (starved by this
-                # output) or is a torch.nn module, which never drops a gradient on purpose.
-                if flow is None or flow.escaped or flow.marked(tensor):
-                    self._state.events.append(
-                        Event(ctx.step_index, layer.name, tname, layer.depth,
-                              EventKind.DETACHED_OUTPUT.value, SEVERED_DETAIL)
-                    )
-
-    def _watch_tensor(self, layer: LayerSpec, tname: str, tensor: Tensor) -> None:
-        key = (layer.name, tname)
-        state = self._state
-        spec = layer.intervention
-        if spec is not None and spec.mask is not None and not spec.mask_is_callable:
-            layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
-        if layer.capture and layer.check_forward:
-            # Forward finiteness check: one reduction, read at the step's single sync.
-            state.forward.check(key, layer.depth, tensor)
-        if not tensor.requires_grad:
-            return
-        state.expected.setdefault(key, layer.depth)
-        hook = self._grad_hooks.get(key)
-        if hook is None:  # one per output, reused every step
-            hook = self._grad_hooks[key] = functools.partial(self._on_grad, layer, tname)
-        state.hooks.add(tensor, hook)
-
-    def _intervene_outputs(self, layer: LayerSpec, output: Any) -> None:
-        """Set the interventions of ``layer`` on an output that is not recorded."""
-        for _, tensor in flatten(output):
-            self._intervene_unrecorded(tensor, layer.intervention, layer.name)
-
-    def _intervene_unrecorded(self, tensor: Tensor, spec: Intervention | None,
-                              name: str) -> None:
-        """Interventions act on every step: on steps ``every=`` skips, alter without recording."""
-        if spec is not None and spec.active and tensor.requires_grad:
-            hook = functools.partial(self._intervene, spec, name)
-            self._state.hooks.add(tensor, hook)
-
-    def _intervene(self, spec: Intervention, name: str, grad: Tensor) -> Tensor:
-        return intervene_fail_open(spec, name, grad, apply_intervention, fits,
-                                   self._ctx.internal_error)
-
-    def _on_grad(self, layer: LayerSpec, tname: str, grad: Tensor) -> Tensor | None:
-        spec = layer.intervention
-        new = None
-        if spec is not None and spec.active:
-            new = self._intervene(spec, layer.name, grad)
-        if not self._ctx.recording:
-            # Only a compiled graph calls this on a step that every= skips: its operators run
-            # on every step, where eager hooks are set on recorded steps alone.
-            return new
-        with self._fail_open(layer.name):
-            self._record_grad(layer, tname, grad, new)
-        return new
-
-    def _record_grad(self, layer: LayerSpec, tname: str, grad: Tensor,
-                     new: Tensor | None) -> None:
-        if not self._pause.paused:
-            self._pause.until_backward_ends()
-        seen = new if new is not None else grad
-        if seen.is_sparse:
-            seen = seen.coalesce().values()
-        unit_dim = _unit_dim(seen.dim(), layer.channels_first)
-        if new is None and SmallGrads.fits(seen):
-            group = self._staging.group(seen, unit_dim)
-            capture = Capture.pending(
-                group, group.put(seen), shape_text(seen.shape), seen.numel(),
-                seen.shape[unit_dim] if unit_dim is not None else 0)
-        else:
-            # The extremes (absmax, zero_frac) are two passes more: on full steps only.
-            full = layer.keep or self._ctx.full_stats
-            extremes = unit_extremes(seen, unit_dim) if full else None
-            sq, total = self._sums.sentinel(seen)
-            capture = Capture(
-                sq=sq,
-                total=total,
-                extremes=extremes,
-                absmax=whole_absmax(seen) if full and extremes is None else None,
-                shape=shape_text(seen.shape),
-                numel=seen.numel(),
-                pre_sq=square_sum(grad) if new is not None else None,
-                n_units=0 if extremes is None else extremes[0].numel(),
-            )
-        before = self._state.add((layer.name, tname), capture)
-        if layer.keep:
-            label = keep_label(layer.name, tname, before)
-            self._state.kept[label] = kept_array(new if new is not None else grad)
-
     # -- closing a step ---------------------------------------------------------------------
-
-    def _drop_step(self) -> None:
-        self._pause.resume()
-        self._state.hooks.remove()
-        self._state = StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums))
-        self._staging.clear()
-        self._forward_staging.clear()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Turn the step's captures into records with one host transfer, then reset.
@@ -539,10 +305,11 @@ class TorchAdapter(BaseAdapter):
         and an empty step; a wrong ``grads`` list (the user's mistake) raises.
         """
         rows: list[ParamRow] = []
+        watch = self._watch
         try:
             if not record:
                 return StepResult()
-            state = self._state
+            state = watch.state
             if (state.touched and not (state.forward or state.expected or state.transformed)
                     and any(self._layers[name].capture for name in self._modules)):
                 self._ctx.warn_once("no-forward", NO_FORWARD_WARNING.format(step=step))
@@ -558,14 +325,17 @@ class TorchAdapter(BaseAdapter):
                 depths = {name: layer.depth for name, layer in self._layers.items()}
                 scale = self._scaling.read()  # queued before the step's sync, read after it
                 return self._ops.close(scale.unscale(step, gather(
-                    step, state, rows, depths, full=full, staging=self._staging,
+                    step, state, rows, depths, full=full, staging=watch.staging,
                     sharded=sharded, on_bug=self._ctx.internal_error)))
             return StepResult(events=list(state.events))
         finally:
             release_rows(rows)
             self._scaling.next_pass()
-            self._mark_sharded()
-            self._drop_step()
+            self._sharded.mark()
+            watch.drop_step()
+            if watch.compiled_ran:  # the graph was traced with the hooks: they come back
+                self._parks = False
+                self._idle.clear()
             if self._idle:
                 self._drop_idle()
             self._park_for(step + 1)
@@ -600,20 +370,13 @@ class TorchAdapter(BaseAdapter):
             elif parking.parked:
                 parking.restore()
 
-    def _mark_sharded(self) -> None:
-        """Remember the sharded gradients this step closed on (see :meth:`has_pending`)."""
-        for i in self._sharded:
-            self._sharded_marks[i] = _grad_mark(self._params[i].param.grad)
-
     def distribution(self) -> Distribution:
         """This process's rank, the world size and the backend of ``torch.distributed``'s
         default process group; one process when it is not available or not initialized."""
-        dist = torch.distributed
-        if not dist.is_available() or not dist.is_initialized():
-            return Distribution()
-        return Distribution(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
+        return distribution()
 
     def _param_depth(self, param: TorchParam) -> int:
+        """A parameter's depth: its owner's, or the nearest ancestor's that ran forward."""
         if param.depth >= 0:
             return param.depth
         depth = self._depth_of(self._name(n) for n in param.owner_chain)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -39,13 +39,19 @@ from torch._library.effects import EffectType
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from graddebug.capture.layers import LayerSpec
+from graddebug.records import Event, EventKind
 from graddebug_torch.guards import hooked_module
-from graddebug_torch.outputs import any_requires_grad, flatten
+from graddebug_torch.outputs import SEVERED_DETAIL, any_requires_grad, flatten
 from graddebug_torch.stats import finiteness
 from graddebug_torch.valueflow import needs_value_flow
 
-__all__ = ["NEEDS_GRAD", "NO_FORWARD_WARNING", "SEVERED", "UNJUDGED", "UNJUDGED_WARNING", "Ran",
-           "run_eagerly", "trace_forward", "tracing"]
+if TYPE_CHECKING:
+    from graddebug.adapter import WatchContext
+    from graddebug_torch.captures import StepCaptures
+
+__all__ = ["COMPILE_WARNING", "NEEDS_GRAD", "NO_FORWARD_WARNING", "SEVERED", "UNJUDGED",
+           "UNJUDGED_WARNING", "Ran", "record_ran", "run_eagerly", "trace_forward", "tracing",
+           "wraps_compiled"]
 
 NEEDS_GRAD = 1
 """Flag of an output that requires a gradient (a tensor hook was set on it)."""
@@ -62,6 +68,13 @@ NO_FORWARD_WARNING = (
     "call, or call torch.compiler.reset() after entering it. A forward pass run before "
     "watch() was entered has the same effect."
 )
+COMPILE_WARNING = (
+    "graddebug: ops=True (or escalate=True) records the operations of eager forward passes "
+    "only; the operations of a torch.compile'd model run inside dynamo's graphs, where no "
+    "op-level rows or source lines are recorded. Layer-level capture goes on as usual; for "
+    "op-level capture, run the model uncompiled while debugging."
+)
+"""Op-level capture's warning for a compiled model, whose ops it cannot see."""
 UNJUDGED_WARNING = (
     "graddebug: {layer!r} ran inside torch.compile and returned an output that needs no "
     "gradient although its input needs one. graddebug follows values through such "
@@ -75,6 +88,17 @@ UNJUDGED_WARNING = (
 def tracing() -> bool:
     """Whether dynamo is tracing the code that calls this (``torch.compile``, ``export``)."""
     return torch.compiler.is_compiling()
+
+
+def wraps_compiled(model: Any) -> bool:
+    """Whether ``model`` is, or wraps (DDP), a ``torch.compile``d module."""
+    seen: set[int] = set()
+    while isinstance(model, nn.Module) and id(model) not in seen:
+        seen.add(id(model))
+        if type(model).__name__ == "OptimizedModule":
+            return True
+        model = getattr(model, "module", None)
+    return False
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -103,12 +127,15 @@ class Ran:
 
 
 class _Watcher(Protocol):
-    def _on_grad(self, layer: LayerSpec, tname: str, grad: Tensor) -> Tensor | None: ...
+    """What the operators call back on: the object whose ``on_forward`` is the hook."""
+
+    def on_grad(self, layer: LayerSpec, tname: str, grad: Tensor) -> Tensor | None:
+        """The tensor hook of output ``tname`` of ``layer``."""
 
 
 def _hook_of(token: int) -> tuple[functools.partial[None], nn.Module] | None:
     """The forward hook a live watcher has on the module of ``id`` ``token``, if any: the
-    partial of its ``_on_forward`` bound to the module's :class:`LayerSpec`."""
+    partial of its ``on_forward`` bound to the module's :class:`LayerSpec`."""
     module = hooked_module(token)
     if module is None:
         return None
@@ -153,7 +180,7 @@ def _grad_hook_target(token: int) -> tuple[_Watcher, LayerSpec] | None:
 def _grad_arrived(grad: Tensor, token: int, tname: str) -> None:
     target = _grad_hook_target(token)
     if target is not None:
-        target[0]._on_grad(target[1], tname, grad)
+        target[0].on_grad(target[1], tname, grad)
 
 
 @_grad_arrived.register_fake
@@ -164,7 +191,7 @@ def _(grad: Tensor, token: int, tname: str) -> None:
 @torch.library.custom_op("graddebug::grad_replaced", mutates_args=())
 def _grad_replaced(grad: Tensor, token: int, tname: str) -> Tensor:
     target = _grad_hook_target(token)
-    new = target[0]._on_grad(target[1], tname, grad) if target is not None else None
+    new = target[0].on_grad(target[1], tname, grad) if target is not None else None
     if new is None or new.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
         return grad.clone()  # an operator's output may not alias its input
     return new
@@ -256,3 +283,30 @@ def trace_forward(layer: LayerSpec, module: nn.Module, args: Any, output: Any) -
         checked.append(None if not check else tensor if norm is None else state)
         flags.append(flag)
     torch.ops.graddebug.forward_ran(_SINK, checked, token, _SEP.join(names), flags)
+
+
+def record_ran(layer: LayerSpec, ran: Ran, state: StepCaptures, ctx: WatchContext,
+               take_depth: Callable[[], int]) -> None:
+    """The forward hook's body when a compiled graph calls back (a recorded step): the
+    bookkeeping of eager mode, from what the traced hook handed over.
+
+    Args:
+        layer: The module's layer.
+        ran: What the graph's ``graddebug::forward_ran`` operator saw.
+        state: The open step's captures.
+        ctx: The Watcher's hook side.
+        take_depth: Hands out the next forward-order depth.
+    """
+    if layer.depth < 0:
+        layer.depth = take_depth()
+    for tname, check, flag in zip(ran.names, ran.checks, ran.flags, strict=True):
+        key = (layer.name, tname)
+        if check is not None:
+            state.forward.add(key, layer.depth, check)
+        if flag & NEEDS_GRAD:
+            state.expected.setdefault(key, layer.depth)
+        if flag & SEVERED:
+            state.events.append(Event(ctx.step_index, layer.name, tname, layer.depth,
+                                      EventKind.DETACHED_OUTPUT.value, SEVERED_DETAIL))
+        if flag & UNJUDGED:
+            ctx.warn_once("compiled-value-flow", UNJUDGED_WARNING.format(layer=layer.name))

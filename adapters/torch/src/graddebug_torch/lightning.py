@@ -36,7 +36,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 from graddebug.integrations.session import CallbackSession, SessionResults
-from graddebug_torch.scaler import is_grad_scaler
+from graddebug_torch.scaling import is_grad_scaler
 
 if TYPE_CHECKING:
 

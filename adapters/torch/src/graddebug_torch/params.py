@@ -11,13 +11,33 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from graddebug.errors import ConfigError, GradientCountError
-from graddebug_torch.sharded import is_sharded
+from graddebug_torch.distributed import is_sharded
 from graddebug_torch.staging import SMALL_NUMEL
-from graddebug_torch.step import ParamRow
 from graddebug_torch.wrappers import clean_name
 
-__all__ = ["TorchParam", "ancestors", "check_optimizer", "given_params", "model_params",
-           "number_groups", "param_rows", "release_rows"]
+__all__ = ["ParamRow", "TorchParam", "ancestors", "check_optimizer", "given_params",
+           "model_params", "number_groups", "param_rows", "release_rows"]
+
+
+@dataclass(slots=True)
+class ParamRow:
+    """A watched parameter at the close of a step (``sharded``: its gradient is a ``DTensor``,
+    measured whole by :mod:`graddebug_torch.distributed`).
+
+    One row per parameter lives as long as the adapter: each close fills in ``depth`` and
+    ``grad`` and empties ``grad`` after (:func:`param_rows`), so that a model of many small
+    layers allocates no object per parameter and step. ``group`` numbers the small parameters
+    of one shape, dtype and device (-1 for the others), whose norms are taken in one batched
+    pass.
+    """
+
+    layer: str
+    tensor: str
+    depth: int
+    grad: Tensor | None
+    keep: bool
+    sharded: bool = False
+    group: int = -1
 
 
 @dataclass
@@ -43,7 +63,7 @@ class TorchParam:
     depth: int = -1
     sharded: bool = False
     row: ParamRow = field(init=False, repr=False)
-    """Its row at each step's close (see :class:`~graddebug_torch.step.ParamRow`)."""
+    """Its row at each step's close (see :class:`ParamRow`)."""
 
     def __post_init__(self) -> None:
         self.row = ParamRow(self.layer, self.tensor, -1, None, self.keep, self.sharded)

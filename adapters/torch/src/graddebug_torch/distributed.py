@@ -1,5 +1,5 @@
-"""Sharded parameter gradients (``DTensor``, as FSDP2's ``fully_shard`` leaves them), measured
-whole.
+"""Distributed training: the process group a run spans, and sharded parameter gradients
+(``DTensor``, as FSDP2's ``fully_shard`` leaves them), measured whole.
 
 Each rank holds a slice of such a gradient. The statistics of the whole gradient follow from
 per-slice sums: the sum of squares and the sum add up over the slices, and ``absmax`` is the
@@ -39,10 +39,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from graddebug.adapter import Distribution
 from graddebug_torch.stats import acc_dtype, square_sum, whole_absmax
 
-__all__ = ["GlobalStats", "is_sharded", "nonfinite_flags", "reduce_sharded", "row_values",
-           "whole"]
+__all__ = ["GlobalStats", "ShardedMarks", "distribution", "is_sharded", "nonfinite_flags",
+           "reduce_sharded", "row_values", "whole"]
 
 _MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # torch >= 2.4; older
 
@@ -61,6 +62,50 @@ def is_sharded(tensor: Any) -> bool:
     """Whether ``tensor`` is a ``DTensor``: a slice of a tensor spread over ranks."""
     cls = _dtensor_type()
     return cls is not None and isinstance(tensor, cls)
+
+
+def distribution() -> Distribution:
+    """This process's rank, the world size and the backend of ``torch.distributed``'s default
+    process group; one process when it is not available or not initialized."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return Distribution()
+    return Distribution(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
+
+
+def _grad_mark(grad: Tensor | None) -> tuple[int, int] | None:
+    """Which gradient a tensor's ``.grad`` holds, and how often it changed in place."""
+    if grad is None:
+        return None
+    # FSDP2 accumulates into the slice, unseen by the DTensor's own version counter.
+    local: Tensor = grad.to_local() if is_sharded(grad) else grad  # type: ignore[attr-defined]
+    return id(grad), local._version
+
+
+class ShardedMarks:
+    """The gradient each sharded parameter held when the last step closed.
+
+    FSDP2 may set ``.grad`` without running the post-accumulate hooks, so whether a step holds
+    gradients nobody recorded is read from the gradients' identity and in-place version.
+
+    Args:
+        params: The watched sharded parameters.
+    """
+
+    __slots__ = ("_marks", "_params")
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self._params = list(params)
+        self._marks: list[tuple[int, int] | None] = [None] * len(self._params)
+
+    def changed(self) -> bool:
+        """Whether a sharded parameter holds a gradient other than the one last closed on."""
+        return any(p.grad is not None and _grad_mark(p.grad) != mark
+                   for p, mark in zip(self._params, self._marks, strict=True))
+
+    def mark(self) -> None:
+        """Remember the gradients the step closes on."""
+        self._marks = [_grad_mark(p.grad) for p in self._params]
 
 
 def whole(tensor: Tensor) -> Tensor:
@@ -172,10 +217,31 @@ def reduce_sharded(grads: Sequence[Tensor | None], full: bool, on_bug: OnBug
         return None
     import torch.distributed as dist
 
-    width = 4 if full else 2
     world_size = dist.get_world_size()
     present = [g for g in grads if g is not None]
     device = _collective_device(present[0]) if present else torch.device("cpu")
+    local_rows, failures = _local_rows(grads, full, world_size, device)
+    combined = _combine(local_rows, full, world_size)
+    for failure in failures:  # reported once every rank is past the collective (strict raises)
+        on_bug(failure, "sharded gradient")
+    return GlobalStats(combined, full)
+
+
+def _local_rows(grads: Sequence[Tensor | None], full: bool, world_size: int,
+                device: torch.device) -> tuple[Tensor, list[BaseException]]:
+    """This rank's rows for the collective, one per gradient, and the failures met.
+
+    Args:
+        grads: The sharded gradients (None where a parameter has none).
+        full: Also measure the sum and ``absmax``.
+        world_size: The number of ranks.
+        device: Where the collective's tensor lives.
+
+    Returns:
+        ``[gradients, columns]`` float64 rows (zeros for no gradient, a copy or an empty
+        slice; the last column counts this rank's failure), and the exceptions caught.
+    """
+    width = 4 if full else 2
     measured: list[int] = []
     weights: list[float] = []
     sums: list[list[Tensor]] = [[] for _ in range(width - 1)]
@@ -208,21 +274,35 @@ def reduce_sharded(grads: Sequence[Tensor | None], full: bool, on_bug: OnBug
         local_rows[measured, :width - 1] = rows
     if failed:
         local_rows[failed, width - 1] = 1.0
-    if full:
-        # all_gather_single is all_gather_into_tensor's new name (torch 2.13).
-        gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gathered = torch.empty((world_size * len(grads), width), dtype=torch.float64,
-                               device=device)
-        gather_into(gathered, local_rows)
-        gathered = gathered.view(world_size, len(grads), width)
-        # amax propagates NaN, as a NaN absmax must.
-        local_rows = torch.cat([gathered[..., :2].sum(0), gathered[..., 2:3].amax(0),
-                                gathered[..., 3:].sum(0)], dim=1)
-    else:
+    return local_rows, failures
+
+
+def _combine(local_rows: Tensor, full: bool, world_size: int) -> Tensor:
+    """Combine every rank's rows: the step's one collective.
+
+    Args:
+        local_rows: This rank's rows (:func:`_local_rows`).
+        full: The rows hold the sum and ``absmax`` too.
+        world_size: The number of ranks.
+
+    Returns:
+        The combined rows, alike on every rank.
+    """
+    import torch.distributed as dist
+
+    if not full:
         dist.all_reduce(local_rows, op=dist.ReduceOp.SUM)
-    for failure in failures:  # reported once every rank is past the collective (strict raises)
-        on_bug(failure, "sharded gradient")
-    return GlobalStats(local_rows, full)
+        return local_rows
+    n, width = local_rows.shape
+    # all_gather_single is all_gather_into_tensor's new name (torch 2.13).
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gathered = torch.empty((world_size * n, width), dtype=torch.float64,
+                           device=local_rows.device)
+    gather_into(gathered, local_rows)
+    gathered = gathered.view(world_size, n, width)
+    # amax propagates NaN, as a NaN absmax must.
+    return torch.cat([gathered[..., :2].sum(0), gathered[..., 2:3].amax(0),
+                      gathered[..., 3:].sum(0)], dim=1)
 
 
 def nonfinite_flags(grads: Sequence[Tensor | None], on_bug: OnBug) -> list[tuple[bool, bool]]:

@@ -1,0 +1,446 @@
+"""Closing a step: the captures of one step become records, with one host transfer.
+
+Each source of statistics is a small object with two halves around the transfer: ``queue``
+puts its device-side reductions on the step's :class:`_HostBatch`, ``read`` turns the fetched
+values into rows or events. The sources are the activations (layer outputs, taps and ops), the
+parameters and the forward checks; :func:`gather` queues them all, moves the batch to the host
+once, and reads them in the order the records and events are documented in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from graddebug.adapter import StepResult
+from graddebug.capture.layers import keep_label
+from graddebug.records import Event, EventKind, Kind, Record, sums_record
+from graddebug_torch.captures import (
+    Capture,
+    ForwardChecks,
+    Key,
+    StepCaptures,
+    kept_array,
+    shape_text,
+)
+from graddebug_torch.distributed import GlobalStats, OnBug, nonfinite_flags, row_values, whole
+from graddebug_torch.params import ParamRow
+from graddebug_torch.staging import GroupStats, SmallGrads, StagedGroup
+from graddebug_torch.stats import param_norms, stack_scalars, sum_and_absmax, unit_summary
+
+__all__ = ["gather"]
+
+_ACTIVATION, _PARAMETER = Kind.ACTIVATION.value, Kind.PARAMETER.value  # Enum.value is slow
+_NO_SLOT = slice(0, 0)
+
+
+class _HostBatch:
+    """Device tensors queued in order, moved to the host in one transfer, read back by slot."""
+
+    def __init__(self) -> None:
+        self._parts: list[Tensor] = []
+        self._size = 0
+        self._values: list[float] = []
+
+    def add(self, tensor: Tensor) -> slice:
+        """Queue ``tensor``'s values; return where they will be read."""
+        n = tensor.numel()
+        slot = slice(self._size, self._size + n)
+        self._parts.append(tensor.reshape(-1))
+        self._size += n
+        return slot
+
+    def fetch(self) -> None:
+        """Move everything queued to the host: the step's one sync (one per device)."""
+        parts = self._parts
+        if not parts:
+            return
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+        flat = [p.to(dtype) for p in parts]
+        devices = {p.device for p in flat}
+        if len(devices) > 1:
+            # Several devices: one transfer each, in the original order.
+            flat = [p.to("cpu", non_blocking=True) for p in flat]
+            for device in devices:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        self._values = torch.cat(flat).tolist()
+
+    def __getitem__(self, slot: slice) -> list[float]:
+        """The fetched values of ``slot``."""
+        return self._values[slot]
+
+
+class _Source(Protocol):
+    """One source of a step's statistics, on both sides of the host transfer."""
+
+    def queue(self, batch: _HostBatch) -> None:
+        """Queue the source's reductions on ``batch``."""
+
+    def read(self, step: int, batch: _HostBatch, result: StepResult) -> None:
+        """Add the source's rows or events to ``result`` from the fetched ``batch``."""
+
+
+def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: dict[str, int],
+           full: bool, staging: SmallGrads | None = None, sharded: GlobalStats | None = None,
+           on_bug: OnBug | None = None) -> StepResult:
+    """Turn one step's captures and parameter gradients into records and events.
+
+    Args:
+        step: Index of the step.
+        state: What the hooks captured.
+        params: Every watched parameter that requires a gradient.
+        depths: Forward-order depth of each layer and tap name.
+        full: Also compute mean and absmax of parameter gradients.
+        staging: Where the hooks staged small gradients (reduced here, in one pass a shape).
+        sharded: The whole-gradient statistics of the ``sharded`` rows of ``params``, in
+            their order (:func:`graddebug_torch.distributed.reduce_sharded`); None leaves
+            those rows out.
+        on_bug: Where a failure to look at a sharded gradient's slice goes.
+
+    Returns:
+        The step's records, events and kept arrays.
+    """
+    present = [p for p in params if p.grad is not None]
+    if not state.captures and not present:
+        # No backward ran in this step; what forward saw (a tap cut from the graph) stands.
+        return StepResult(events=list(state.events))
+    activations = _Activations(state, staging, depths)
+    parameters = _Parameters(params, present, full, sharded, on_bug or _ignore)
+    sources: tuple[_Source, ...] = (activations, parameters, _ForwardReads(state.forward))
+    batch = _HostBatch()
+    for source in sources:
+        source.queue(batch)
+    batch.fetch()  # the step's single host sync
+    result = StepResult(events=list(state.events), kept=dict(state.kept))
+    for source in sources:
+        source.read(step, batch, result)
+    activations.unreached(step, result)
+    parameters.missing(step, result)
+    return result
+
+
+# sum of squares, sum, absmax, sum of squares before an intervention, live units
+_Values = tuple[float, float, float, float | None, float | None]
+
+
+class _Activations:
+    """The gradients the tensor hooks captured (layer outputs, taps, ops): one row per output.
+
+    Queued: the staged small gradients (one batched pass per group of equal shapes, read by
+    row), the other captures' scalars stacked into one tensor, the per-unit extremes (one
+    batched summary per group of equally wide captures), and the live units pooled over the
+    calls of an output captured more than once.
+
+    Args:
+        state: What the hooks captured.
+        staging: Where the hooks staged small gradients, or None.
+        depths: Forward-order depth of each layer and tap name.
+    """
+
+    def __init__(self, state: StepCaptures, staging: SmallGrads | None,
+                 depths: dict[str, int]) -> None:
+        self._state = state
+        self._staging = staging
+        self._depths = depths
+        self._staged_slots: dict[StagedGroup, tuple[slice, slice, slice, slice | None]] = {}
+        self._where: dict[int, int] = {}  # a capture's first scalar, by id
+        self._scalar_slot = _NO_SLOT
+        self._unit_slots: list[tuple[list[Capture], slice, slice]] = []
+        self._pooled: dict[Key, slice] = {}
+        self._scalars: list[float] = []
+        self._units: dict[int, tuple[float, float]] = {}
+        self._columns: dict[StagedGroup, tuple[list[float], list[float], list[float],
+                                               list[float] | None]] = {}
+
+    def queue(self, batch: _HostBatch) -> None:
+        """Queue every capture's statistics."""
+        state = self._state
+        every = ([c for calls in state.calls().values() for c in calls] if state.repeats
+                 else list(state.captures.values()))
+        staged = self._staging.reduce() if self._staging is not None else {}
+        self._staged_slots = {group: (batch.add(g.sq), batch.add(g.total), batch.add(g.absmax),
+                                      batch.add(g.live) if g.live is not None else None)
+                              for group, g in staged.items()}
+        scalars: list[Tensor] = []
+        for c in every:
+            if c.group is not None:
+                continue
+            self._where[id(c)] = len(scalars)
+            scalars += [c.sq, c.total]
+            if c.absmax is not None:
+                scalars.append(c.absmax)
+            if c.pre_sq is not None:
+                scalars.append(c.pre_sq)
+        if scalars:
+            self._scalar_slot = batch.add(stack_scalars(scalars))
+        self._queue_units(every, batch)
+        # A layer called several times: a unit is dead only if it is dead in every call.
+        for key, calls in state.repeats.items():
+            widths = {c.n_units for c in calls}
+            if len(widths) == 1 and 0 not in widths:
+                per_unit = torch.stack([_per_unit(c, staged) for c in calls]).amax(0)
+                self._pooled[key] = batch.add(torch.count_nonzero(per_unit))
+
+    def _queue_units(self, every: list[Capture], batch: _HostBatch) -> None:
+        """Queue the per-unit summaries: one batched pass per group of equally wide captures."""
+        groups: dict[tuple[int, torch.dtype, torch.device], list[Capture]] = {}
+        for c in every:
+            if c.extremes is not None:
+                high = c.extremes[0]
+                groups.setdefault((c.n_units, high.dtype, high.device), []).append(c)
+        for members in groups.values():
+            absmax, live = unit_summary([c.extremes[0] for c in members if c.extremes],
+                                        [c.extremes[1] for c in members if c.extremes])
+            self._unit_slots.append((members, batch.add(absmax), batch.add(live)))
+
+    def read(self, step: int, batch: _HostBatch, result: StepResult) -> None:
+        """Add one row per captured output, in the order the outputs were first seen."""
+        self._scalars = batch[self._scalar_slot]
+        for members, absmax_slot, live_slot in self._unit_slots:
+            for c, a, n in zip(members, batch[absmax_slot], batch[live_slot], strict=True):
+                self._units[id(c)] = (a, n)
+        self._columns = {group: (batch[sq], batch[total], batch[absmax],
+                                 batch[live] if live is not None else None)
+                         for group, (sq, total, absmax, live) in self._staged_slots.items()}
+        depths, repeats, pooled = self._depths, self._state.repeats, self._pooled
+        records = result.records
+        for key, first in self._state.captures.items():
+            depth = depths.get(key[0], -1)
+            repeated = repeats.get(key) if repeats else None
+            if repeated is None:  # the usual output, called once
+                sq, total, top, pre_sq, alive = self._values(first)
+                records.append(_activation_row(step, key, depth, first, first.numel, sq, total,
+                                               top, pre_sq, alive, first.sentinel))
+            else:
+                records.append(self._repeated_row(
+                    step, key, depth, repeated, batch[pooled[key]][0] if key in pooled else None))
+
+    def _values(self, c: Capture) -> _Values:
+        """The fetched statistics of capture ``c``."""
+        if c.group is not None:
+            row = c.row
+            sqs, totals, absmaxes, lives = self._columns[c.group]
+            return (sqs[row], totals[row], absmaxes[row], None,
+                    lives[row] if lives is not None else None)
+        values = self._scalars
+        at = self._where[id(c)]
+        sq, total = values[at], values[at + 1]
+        at += 2
+        live = None
+        if c.absmax is not None:
+            absmax = values[at]
+            at += 1
+        elif c.extremes is not None:
+            absmax, live = self._units[id(c)]
+        else:  # a sentinel
+            absmax = math.nan
+        return sq, total, absmax, values[at] if c.pre_sq is not None else None, live
+
+    def _repeated_row(self, step: int, key: Key, depth: int, calls: list[Capture],
+                      pooled_live: float | None) -> Record:
+        """The row of an output captured by several calls (a module called twice): the calls'
+        sums add up, and a unit is live if it is in any call (``pooled_live``)."""
+        sq = total = pre_sum = 0.0
+        absmax = -math.inf
+        pre = False
+        for c in calls:
+            c_sq, c_total, value, c_pre, _ = self._values(c)
+            sq += c_sq
+            total += c_total
+            absmax = value if math.isnan(value) or math.isnan(absmax) else max(absmax, value)
+            if c_pre is not None:
+                pre_sum += c_pre
+                pre = True
+        return _activation_row(step, key, depth, calls[0], sum(c.numel for c in calls), sq,
+                               total, absmax, pre_sum if pre else None, pooled_live,
+                               any(c.sentinel for c in calls))
+
+    def unreached(self, step: int, result: StepResult) -> None:
+        """Add an ``unreached`` event for each output that needed a gradient and got none."""
+        captures = self._state.captures
+        for (layer, tname), depth in self._state.expected.items():
+            if (layer, tname) not in captures:
+                result.events.append(Event(step, layer, tname, depth, EventKind.UNREACHED.value))
+
+
+class _Parameters:
+    """The watched parameters' gradients: their norms in one fused pass (a batched one per
+    group of small ones), the sum and ``absmax`` too with ``full``. Sharded ones were combined
+    over the ranks already (:class:`~graddebug_torch.distributed.GlobalStats`).
+
+    Args:
+        params: Every watched parameter that requires a gradient.
+        present: Those that got one.
+        full: Also measure the sum and ``absmax``.
+        sharded: The sharded rows' combined statistics, or None to leave them out.
+        on_bug: Where a failure to look at a sharded gradient's slice goes.
+    """
+
+    def __init__(self, params: Sequence[ParamRow], present: list[ParamRow], full: bool,
+                 sharded: GlobalStats | None, on_bug: OnBug) -> None:
+        self._params = params
+        self._present = present
+        self._full = full
+        self._sharded = sharded
+        self._on_bug = on_bug
+        self._local = [p for p in present if not p.sharded]
+        self._norm_parts: list[tuple[list[int], slice]] = []
+        self._full_slots: dict[int, slice] = {}
+        self._sharded_slot = _NO_SLOT
+
+    def queue(self, batch: _HostBatch) -> None:
+        """Queue the norms (and with ``full`` the sums and maxima) of the local gradients, and
+        the sharded ones' combined statistics."""
+        grads: list[Tensor] = []
+        groups: list[int] = []
+        for p in self._local:
+            if p.grad is not None:
+                grads.append(_dense(p.grad) if p.grad.is_sparse else p.grad)
+                groups.append(p.group)
+        self._norm_parts = [(order, batch.add(norms))
+                            for order, norms in param_norms(grads, groups)]
+        if self._full:
+            self._full_slots = {id(p): batch.add(sum_and_absmax(_dense(p.grad)))
+                                for p in self._local if p.grad is not None}
+        if self._sharded is not None:
+            self._sharded_slot = batch.add(self._sharded.values)
+
+    def read(self, step: int, batch: _HostBatch, result: StepResult) -> None:
+        """Add one row per parameter that got a gradient, in order; those whose combined
+        norm is not finite come last, after one more collective says NaN or Inf."""
+        local_values = [0.0] * len(self._local)
+        for order, slot in self._norm_parts:
+            for i, value in zip(order, batch[slot], strict=True):
+                local_values[i] = value
+        local_norms = iter(local_values)
+        whole_values = batch[self._sharded_slot]
+        where_sharded = {id(p): i for i, p in enumerate(p for p in self._params if p.sharded)}
+        full, records = self._full, result.records
+        broken: list[tuple[ParamRow, Tensor, float, list[float] | None]] = []
+        new_row, nan = tuple.__new__, math.nan
+        for p in self._present:
+            grad = p.grad
+            assert grad is not None
+            if p.sharded:
+                found = (row_values(whole_values, where_sharded[id(p)], full)
+                         if self._sharded is not None else None)
+                if found is None:  # not combined, or a rank failed to measure its slice
+                    continue
+                norm, extra = found
+                if not math.isfinite(norm):
+                    broken.append((p, grad, norm, extra))
+                    continue
+                records.append(_param_record(step, p, grad, norm, extra, (False, False)))
+                continue
+            norm = next(local_norms)
+            if full or not math.isfinite(norm) or grad.is_sparse:
+                extra = batch[self._full_slots[id(p)]] if full else None
+                records.append(_param_record(step, p, _dense(grad), norm, extra))
+            else:  # the usual row, built inline: a large model has tens of thousands a step
+                records.append(new_row(Record, (
+                    step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
+                    grad.numel(), norm, nan, nan, nan, nan, False, False, nan, 0)))
+        if broken:  # every rank sees the same combined norms, so all of them come here together
+            flags = nonfinite_flags([g for _, g, _, _ in broken], self._on_bug)
+            for (p, grad, norm, extra), pair in zip(broken, flags, strict=True):
+                records.append(_param_record(step, p, grad, norm, extra, pair))
+
+    def missing(self, step: int, result: StepResult) -> None:
+        """Add a ``no_grad`` event per parameter that got no gradient; keep the gradients
+        ``keep=`` asks for (a sharded one whole, which is a collective)."""
+        for p in self._params:
+            if p.grad is None:
+                result.events.append(Event(step, p.layer, p.tensor, p.depth,
+                                           EventKind.NO_GRAD.value))
+            elif p.keep and (self._sharded is not None or not p.sharded):
+                result.kept[keep_label(p.layer, p.tensor)] = kept_array(whole(p.grad))
+
+
+class _ForwardReads:
+    """The forward finiteness checks: one ``forward_nonfinite`` event per output that held a
+    NaN or an Inf in the forward pass.
+
+    Args:
+        checks: The step's checks.
+    """
+
+    def __init__(self, checks: ForwardChecks) -> None:
+        self._checks = checks
+        self._slot = _NO_SLOT
+
+    def queue(self, batch: _HostBatch) -> None:
+        """Queue every check's number."""
+        if len(self._checks):
+            self._slot = batch.add(self._checks.gather())
+
+    def read(self, step: int, batch: _HostBatch, result: StepResult) -> None:
+        """Add the events of the checks that came out non-finite, in the order added."""
+        checks = self._checks
+        for key, depth, value in zip(checks.keys, checks.depths, batch[self._slot], strict=True):
+            if not math.isfinite(value):
+                result.events.append(Event(step, key[0], key[1], depth,
+                                           EventKind.FORWARD_NONFINITE.value,
+                                           "NaN" if math.isnan(value) else "Inf"))
+
+
+def _per_unit(c: Capture, staged: dict[StagedGroup, GroupStats]) -> Tensor:
+    """Largest ``|g|`` of each unit of one capture."""
+    if c.group is not None:
+        per_unit = staged[c.group].per_unit
+        assert per_unit is not None
+        return per_unit[c.row]
+    assert c.extremes is not None
+    return torch.maximum(c.extremes[0], c.extremes[1].neg())
+
+
+def _activation_row(step: int, key: Key, depth: int, first: Capture, numel: int, sq: float,
+                    total: float, absmax: float, pre_sq: float | None, live: float | None,
+                    sentinel: bool) -> Record:
+    """The row of an output from its summed statistics (``first`` gives the shape and the
+    units)."""
+    if sentinel:
+        # Squares are never negative, so the sum of squares is NaN exactly when an entry is;
+        # it is Inf for an Inf entry or for finite entries whose squares overflow, which the
+        # sum tells apart (it stays finite for the latter).
+        nan = math.isnan(sq)
+        inf = not nan and math.isinf(sq) and not math.isfinite(total)
+        absmax, live = math.nan, None
+    else:
+        nan, inf = math.isnan(absmax), math.isinf(absmax)
+    units = first.n_units
+    return sums_record(
+        step, key[0], key[1], _ACTIVATION, depth, first.shape, numel,
+        math.sqrt(sq) if sq >= 0 else math.nan, total, absmax,
+        (units - live) / units if live is not None and units else math.nan, nan, inf,
+        math.sqrt(pre_sq) if pre_sq is not None else math.nan)
+
+
+def _param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
+                  extra: list[float] | None, flags: tuple[bool, bool] | None = None) -> Record:
+    """A parameter's row. ``grad`` gives the shape and size (a sharded gradient's are those
+    of the whole parameter); ``flags`` are its ``(nan, inf)`` where the caller knows them."""
+    nan, inf = flags if flags is not None else (False, False)
+    if flags is None and not math.isfinite(norm):
+        # Rare: a second sync, only for a gradient already known to be broken.
+        nan = bool(torch.isnan(grad).any())
+        inf = bool(torch.isinf(grad).any())
+    if extra is None:  # param_stats="norm": no mean, std or absmax to derive
+        return tuple.__new__(Record, (
+            step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape), grad.numel(),
+            norm, math.nan, math.nan, math.nan, math.nan, nan, inf and not nan, math.nan, 0))
+    return sums_record(step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
+                       grad.numel(), norm, extra[0], extra[1], math.nan, nan, inf)
+
+
+def _ignore(exc: BaseException, where: str) -> None:
+    """Drop a failure nobody asked to hear of."""
+
+
+def _dense(grad: Tensor) -> Tensor:
+    """A gradient's values as a dense tensor (a sparse one's stored entries)."""
+    return grad.coalesce().values() if grad.is_sparse else grad

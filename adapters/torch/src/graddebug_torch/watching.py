@@ -1,0 +1,296 @@
+"""Layer outputs hooked: the forward hooks, the tensor hooks they set, and what they record.
+
+A forward hook on each watched module sets a tensor hook on each floating output that needs a
+gradient; the tensor hook measures the gradient on the device (or stages a small one, see
+:mod:`graddebug_torch.staging`) and applies the layer's intervention. The forward hook also
+checks the outputs' finiteness and whether an output was cut from the graph. Everything lands
+in the open step's :class:`~graddebug_torch.captures.StepCaptures`, read when it closes.
+
+:class:`OutputWatch` is also the host op-level capture records through
+(:class:`graddebug_torch.ops.OpHost`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from graddebug.adapter import WatchContext
+from graddebug.capture.layers import (
+    FailOpen,
+    Intervention,
+    LayerSpec,
+    intervene_fail_open,
+    keep_label,
+)
+from graddebug.records import Event, EventKind
+from graddebug_torch.captures import (
+    Capture,
+    CollectorPause,
+    ForwardChecks,
+    GradHook,
+    Key,
+    StepCaptures,
+    kept_array,
+    shape_text,
+)
+from graddebug_torch.compiled import Ran, record_ran, trace_forward, tracing
+from graddebug_torch.guards import FUNCTORCH_WARNING, transform_running
+from graddebug_torch.outputs import SEVERED_DETAIL, any_requires_grad, fits, flatten
+from graddebug_torch.outputs import unit_dim as _unit_dim  # patched by the fail-open tests
+from graddebug_torch.staging import SmallGrads
+from graddebug_torch.stats import (
+    DotSums,
+    apply_intervention,
+    square_sum,
+    unit_extremes,
+    whole_absmax,
+)
+from graddebug_torch.valueflow import ValueFlows
+
+__all__ = ["OutputWatch"]
+
+_DETACHED_OUTPUT = EventKind.DETACHED_OUTPUT.value
+
+
+class OutputWatch:
+    """The hooks on watched layer outputs and taps, and the open step they fill.
+
+    Args:
+        context: The Watcher's hook side.
+        layers: The adapter's layer table (every watched layer and tap by name).
+        take_depth: Hands out the next forward-order depth.
+        fail_open: The adapter's fail-open guard for a hook running in ``where``.
+
+    Attributes:
+        state: What the hooks captured in the open step.
+        staging: Where small gradients are staged until the step closes.
+        grad_hooks: The tensor hook of each output, made once and reused every step.
+        flows: The value flows of parameter-free modules (:mod:`graddebug_torch.valueflow`).
+        compiled_ran: A compiled graph called back from the forward hooks: they must stay
+            on the modules, as the graph was traced with them.
+    """
+
+    def __init__(self, context: WatchContext, layers: Mapping[str, LayerSpec],
+                 take_depth: Callable[[], int], fail_open: Callable[[str], FailOpen]) -> None:
+        self.context = context
+        self.layers = layers
+        self._take_depth = take_depth
+        self._fail_open = fail_open
+        self.staging = SmallGrads()  # gradients
+        self._sums = DotSums()
+        self._pause = CollectorPause()
+        self._forward_staging = SmallGrads()  # outputs, for the forward check
+        self.state = StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums))
+        self.grad_hooks: dict[Key, GradHook] = {}
+        self.flows = ValueFlows()
+        self.compiled_ran = False
+
+    def take_depth(self) -> int:
+        """The next forward-order depth."""
+        return self._take_depth()
+
+    def fail_open(self, where: str) -> FailOpen:
+        """The fail-open guard for a hook running in ``where``."""
+        return self._fail_open(where)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def drop_step(self) -> None:
+        """Forget the open step: its tensor hooks removed, its captures and staging dropped."""
+        self._pause.resume()
+        self.state.hooks.remove()
+        self.state = StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums))
+        self.staging.clear()
+        self._forward_staging.clear()
+
+    def release(self) -> None:
+        """On exit: drop the step, and the staging buffers with the hooks."""
+        self.drop_step()
+        self.staging = SmallGrads()
+
+    # -- forward hooks -----------------------------------------------------------------------
+
+    def forward_begins(self, module: nn.Module, args: Any) -> None:
+        """The root module's forward starts: pause the collector on recorded steps."""
+        if torch.compiler.is_compiling() or not (self.context.recording
+                                                 and torch.is_grad_enabled()):
+            return
+        self._pause.resume()  # a backward pass that raised before its end left it paused
+        self._pause.pause()
+
+    def forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The root module's forward returned or raised: resume the collector."""
+        if not torch.compiler.is_compiling():
+            self._pause.resume()
+
+    def skip_transformed(self) -> None:
+        """A forward or a tap inside a ``torch.func`` transform: skipped, with one warning."""
+        self.state.transformed = True
+        self.context.warn_once("functorch", FUNCTORCH_WARNING)
+
+    def on_forward(self, layer: LayerSpec, module: nn.Module, args: Any, output: Any) -> None:
+        """The forward hook of a watched module (bound to its ``layer``).
+
+        Args:
+            layer: The module's layer.
+            module: The module.
+            args: Its positional inputs, or a :class:`~graddebug_torch.compiled.Ran` when a
+                compiled graph calls back.
+            output: Its output.
+        """
+        if tracing():
+            # Dynamo is tracing this hook into a compiled graph, whose operators call back
+            # here (args is then a Ran) and on_grad when it runs: see graddebug_torch.compiled.
+            if torch.is_grad_enabled():
+                trace_forward(layer, module, args, output)
+            return
+        ctx = self.context
+        if isinstance(args, Ran):  # a compiled forward, calling back as it runs
+            self.compiled_ran = True
+            if ctx.recording:
+                with self._fail_open(layer.name):
+                    record_ran(layer, args, self.state, ctx, self._take_depth)
+            return
+        if not ctx.recording:  # a step every= skips: nothing to do but interventions
+            if layer.intervention is not None and not transform_running():
+                self.intervene_outputs(layer, output)
+            return
+        flow = self.flows.finished(module)  # left unread on skipped steps: replaced per call
+        if transform_running():
+            self.skip_transformed()
+            return
+        if not torch.is_grad_enabled():
+            if layer.intervention is not None:
+                self.intervene_outputs(layer, output)
+            return
+        with self._fail_open(layer.name):
+            if layer.depth < 0:
+                layer.depth = self._take_depth()
+            tensors = (("output", output),) if isinstance(output, Tensor) else flatten(output)
+            for tname, tensor in tensors:
+                if not tensor.is_floating_point():
+                    continue
+                if layer.capture:
+                    self.watch_tensor(layer, tname, tensor)
+                if tensor.requires_grad or not any_requires_grad(args):
+                    continue
+                # Without a ValueFlow the module owns trainable parameters (starved by this
+                # output) or is a torch.nn module, which never drops a gradient on purpose.
+                if flow is None or flow.escaped or flow.marked(tensor):
+                    self.state.events.append(
+                        Event(ctx.step_index, layer.name, tname, layer.depth,
+                              _DETACHED_OUTPUT, SEVERED_DETAIL)
+                    )
+
+    def watch_tensor(self, layer: LayerSpec, tname: str, tensor: Tensor) -> None:
+        """Check output ``tname`` of ``layer`` forward, and hook its gradient.
+
+        Raises:
+            MaskShapeError: The layer's mask does not broadcast to the output.
+        """
+        key = (layer.name, tname)
+        state = self.state
+        spec = layer.intervention
+        if spec is not None and spec.mask is not None and not spec.mask_is_callable:
+            layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
+        if layer.capture and layer.check_forward:
+            # Forward finiteness check: one reduction, read at the step's single sync.
+            state.forward.check(key, layer.depth, tensor)
+        if not tensor.requires_grad:
+            return
+        state.expected.setdefault(key, layer.depth)
+        hook = self.grad_hooks.get(key)
+        if hook is None:  # one per output, reused every step
+            hook = self.grad_hooks[key] = functools.partial(self.on_grad, layer, tname)
+        state.hooks.add(tensor, hook)
+
+    def intervene_outputs(self, layer: LayerSpec, output: Any) -> None:
+        """Set the interventions of ``layer`` on an output that is not recorded."""
+        for _, tensor in flatten(output):
+            self.intervene_unrecorded(tensor, layer.intervention, layer.name)
+
+    def intervene_unrecorded(self, tensor: Tensor, spec: Intervention | None,
+                             name: str) -> None:
+        """Interventions act on every step: on steps ``every=`` skips, alter without recording."""
+        if spec is not None and spec.active and tensor.requires_grad:
+            hook = functools.partial(self._intervene, spec, name)
+            self.state.hooks.add(tensor, hook)
+
+    # -- tensor hooks ------------------------------------------------------------------------
+
+    def _intervene(self, spec: Intervention, name: str, grad: Tensor) -> Tensor:
+        """Apply ``spec`` to ``grad`` (a bug leaves ``grad`` as it is; a mask that does not
+        fit raises)."""
+        return intervene_fail_open(spec, name, grad, apply_intervention, fits,
+                                   self.context.internal_error)
+
+    def on_grad(self, layer: LayerSpec, tname: str, grad: Tensor) -> Tensor | None:
+        """The tensor hook of output ``tname`` of ``layer``: intervene, then record.
+
+        Returns:
+            The gradient the intervention made, or None to leave ``grad`` as it is.
+        """
+        spec = layer.intervention
+        new = None
+        if spec is not None and spec.active:
+            new = self._intervene(spec, layer.name, grad)
+        if not self.context.recording:
+            # Only a compiled graph calls this on a step that every= skips: its operators run
+            # on every step, where eager hooks are set on recorded steps alone.
+            return new
+        with self._fail_open(layer.name):
+            self._record_grad(layer, tname, grad, new)
+        return new
+
+    def _record_grad(self, layer: LayerSpec, tname: str, grad: Tensor,
+                     new: Tensor | None) -> None:
+        """Measure (or stage) the gradient that reached an output, after any intervention."""
+        if not self._pause.paused:
+            self._pause.until_backward_ends()
+        seen = new if new is not None else grad
+        if seen.is_sparse:
+            seen = seen.coalesce().values()
+        unit_dim = _unit_dim(seen.dim(), layer.channels_first)
+        if new is None and SmallGrads.fits(seen):
+            group = self.staging.group(seen, unit_dim)
+            capture = Capture.pending(
+                group, group.put(seen), shape_text(seen.shape), seen.numel(),
+                seen.shape[unit_dim] if unit_dim is not None else 0)
+        else:
+            # The extremes (absmax, zero_frac) are two passes more: on full steps only.
+            full = layer.keep or self.context.full_stats
+            extremes = unit_extremes(seen, unit_dim) if full else None
+            sq, total = self._sums.sentinel(seen)
+            capture = Capture(
+                sq=sq,
+                total=total,
+                extremes=extremes,
+                absmax=whole_absmax(seen) if full and extremes is None else None,
+                shape=shape_text(seen.shape),
+                numel=seen.numel(),
+                pre_sq=square_sum(grad) if new is not None else None,
+                n_units=0 if extremes is None else extremes[0].numel(),
+            )
+        before = self.state.add((layer.name, tname), capture)
+        if layer.keep:
+            label = keep_label(layer.name, tname, before)
+            self.state.kept[label] = kept_array(new if new is not None else grad)
+
+    def on_param_grad(self, index: int, param: Tensor) -> None:
+        """The post-accumulate hook of watched parameter ``index``: it holds the gradient, so
+        that ``step()`` may come after ``zero_grad(set_to_none=True)``.
+
+        Every parameter gradient is measured when the step closes, in one fused pass, as it
+        is then: after accumulation, clipping, unscaling or a multi-rank all-reduce. A kernel
+        per gradient here, inside the backward pass, cost more than that pass.
+        """
+        state = self.state
+        state.touched = True
+        grad = param.grad
+        if grad is not None and self.context.recording:
+            state.received[index] = grad
