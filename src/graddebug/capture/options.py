@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from graddebug.adapter import WatchOptions
-from graddebug.capture.layers import is_op_site, parse_interventions
+from graddebug.capture.layers import Intervention, is_op_site, parse_interventions
 from graddebug.config import Thresholds, as_number
 from graddebug.errors import ConfigError, MissingFrameworkError
 from graddebug.runs.layout import check_run_path
@@ -160,18 +160,35 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
         MissingFrameworkError: ``log_dir`` was given and pyarrow is missing, or
             ``tensorboard`` was given and tensorboardX is missing.
     """
-    flush_every = _positive_int("flush_every", flush_every, "steps")
-    every = _positive_int("every", every, "1 records every step")
-    full_stats_every = _positive_int("full_stats_every", full_stats_every,
-                                     "1 measures every statistic on every recorded step")
-    outputs = check_flag("outputs", outputs)
-    strict = check_flag("strict", strict)
-    ops = check_flag("ops", ops)
-    escalate = check_flag("escalate", escalate)
     check_log_dir(log_dir)
     if param_stats not in ("norm", "full"):
         raise ConfigError(f"param_stats={param_stats!r} must be 'norm' or 'full'.")
     _check_params(params)
+    ops = check_flag("ops", ops)
+    chosen, sites, kept, interventions = _names(layers, keep, intervene, ops)
+    return WatchOptions(  # keyword arguments run in order: the numbers are checked first
+        flush_every=_positive_int("flush_every", flush_every, "steps"),
+        every=_positive_int("every", every, "1 records every step"),
+        full_stats_every=_positive_int("full_stats_every", full_stats_every,
+                                       "1 measures every statistic on every recorded step"),
+        outputs=check_flag("outputs", outputs), strict=check_flag("strict", strict),
+        ops=ops, escalate=check_flag("escalate", escalate),
+        layers=chosen, keep=kept, intervene=interventions, op_sites=sites,
+        param_stats=param_stats, optimizer=optimizer, scaler=scaler, params=params,
+        keep_steps=keep_steps, thresholds=thresholds, log_dir=log_dir,
+        plugin_manager=plugin_manager, tensorboard=check_tensorboard(tensorboard),
+    )
+
+
+def _names(layers: Sequence[Any] | str | type | None, keep: Sequence[str] | str | None,
+           intervene: Mapping[str, Any] | None, ops: bool
+           ) -> tuple[list[Any] | None, frozenset[str], frozenset[str], dict[str, Intervention]]:
+    """The ``layers=`` entries that are layers, those that are op sites, the ``keep=`` names
+    and the interventions by name.
+
+    Raises:
+        ConfigError: An entry is unusable, or names an op site without ``ops=True``.
+    """
     kept = _keep_names(keep)
     chosen = _as_list("layers", layers, 'a layer name, a glob, a layer type, or a list of '
                       'them, e.g. layers=["encoder.*", torch.nn.Linear]')
@@ -180,28 +197,8 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
     if not ops:
         _refuse_op_sites((("layers", sites), ("keep", kept or ()),
                           ("intervene", interventions)))
-    return WatchOptions(
-        layers=[n for n in chosen if not is_op_site(n)] if chosen is not None else None,
-        keep=frozenset(kept or ()),
-        intervene=interventions,
-        outputs=outputs,
-        param_stats=param_stats,
-        optimizer=optimizer,
-        every=every,
-        scaler=scaler,
-        ops=ops,
-        escalate=escalate,
-        op_sites=frozenset(sites),
-        full_stats_every=full_stats_every,
-        params=params,
-        keep_steps=keep_steps,
-        thresholds=thresholds,
-        strict=strict,
-        log_dir=log_dir,
-        flush_every=flush_every,
-        plugin_manager=plugin_manager,
-        tensorboard=check_tensorboard(tensorboard),
-    )
+    layer_names = [n for n in chosen if not is_op_site(n)] if chosen is not None else None
+    return layer_names, frozenset(sites), frozenset(kept or ()), interventions
 
 
 def check_tensorboard(tensorboard: Any) -> Path | None:
