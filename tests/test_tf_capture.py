@@ -322,13 +322,13 @@ def test_forward_without_a_tape_records_nothing():
 
 
 def test_eager_statistics_are_compiled_once_not_once_per_layer():
-    import graddebug_tensorflow.adapter as tf_adapter
+    import graddebug_tensorflow.watching as tf_watching
 
     keras.utils.set_random_seed(0)
     model = relu_mlp(depth=8, width=24, inputs=40, classes=7)  # shapes no other test uses
-    before = tf_adapter._write_activation.function.experimental_get_tracing_count()
+    before = tf_watching._write_activation.function.experimental_get_tracing_count()
     with graddebug.watch(model) as dbg:
         train(model, batches(2, (6, 40), classes=7), dbg)
     assert dbg.frame()["layer"].nunique() == 15
     # reduce_retracing generalises the shapes; the buffer row is a tensor, not a constant.
-    assert tf_adapter._write_activation.function.experimental_get_tracing_count() - before <= 2
+    assert tf_watching._write_activation.function.experimental_get_tracing_count() - before <= 2

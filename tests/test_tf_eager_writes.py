@@ -11,7 +11,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import graddebug  # noqa: E402
-import graddebug_tensorflow.adapter as tf_adapter  # noqa: E402
+import graddebug_tensorflow.watching as tf_watching  # noqa: E402
 from graddebug_tensorflow.eagerrows import EagerRows  # noqa: E402
 from graddebug_tensorflow.stats import (  # noqa: E402
     ACT_WIDTH,
@@ -103,7 +103,7 @@ def test_the_eager_identity_passes_the_gradient_on_and_hands_it_to_its_hook():
 
     with tf.GradientTape() as tape:
         h = x * 2.0
-        out = tf_adapter._eager_identity(h, hook)
+        out = tf_watching._eager_identity(h, hook)
         loss = tf.reduce_sum(tf.square(out))
     grad = tape.gradient(loss, x)
     # d loss / d out = 2 * out = 4x; the hook triples it; d h / d x = 2.
@@ -243,10 +243,10 @@ def test_eager_sentinel_steps_call_no_writer(monkeypatch):
             return writer(*args)
         return call
 
-    monkeypatch.setattr(tf_adapter, "_write_forward",
-                        counting("forward", tf_adapter._write_forward))
-    monkeypatch.setattr(tf_adapter, "_write_activation",
-                        counting("activation", tf_adapter._write_activation))
+    monkeypatch.setattr(tf_watching, "_write_forward",
+                        counting("forward", tf_watching._write_forward))
+    monkeypatch.setattr(tf_watching, "_write_activation",
+                        counting("activation", tf_watching._write_activation))
     keras.utils.set_random_seed(1)
     model = relu_mlp(depth=2, width=8, inputs=5, classes=3)
     x = tf.random.stateless_normal((4, 5), seed=[1, 1])

@@ -9,7 +9,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import graddebug  # noqa: E402
-import graddebug_tensorflow.adapter as tf_adapter  # noqa: E402
+import graddebug_tensorflow.watching as tf_watching  # noqa: E402
 from graddebug import (  # noqa: E402
     ConfigError,
     GradDebugInternalError,
@@ -88,8 +88,8 @@ def broken(*args, **kwargs):
 
 def break_statistics(monkeypatch):
     """Make the activation statistics raise, in eager mode and in graphs."""
-    monkeypatch.setattr(tf_adapter, "write_activation", broken)
-    monkeypatch.setattr(tf_adapter, "_write_activation", broken)
+    monkeypatch.setattr(tf_watching, "write_activation", broken)
+    monkeypatch.setattr(tf_watching, "_write_activation", broken)
     monkeypatch.setattr(EagerRows, "backward", broken)  # the eager sentinel
 
 

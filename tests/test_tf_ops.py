@@ -414,7 +414,7 @@ def test_escalate_names_a_cut_on_the_step_after_it_appeared():
 
 
 def test_a_bug_in_the_op_callback_becomes_an_internal_error_and_training_goes_on(monkeypatch):
-    from graddebug_tensorflow import ops
+    from graddebug_tensorflow.ops import capture
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in op capture")
@@ -423,7 +423,7 @@ def test_a_bug_in_the_op_callback_becomes_an_internal_error_and_training_goes_on
         return relu_mlp(depth=3, width=16)
 
     plain = trained_weights(build, None)
-    monkeypatch.setattr(ops.OpCapture, "_trace", broken)
+    monkeypatch.setattr(capture.OpCapture, "_trace", broken)
     model = build()
     keras.utils.set_random_seed(1)
     with pytest.warns(graddebug.errors.GradDebugWarning, match="a bug in op capture"), \

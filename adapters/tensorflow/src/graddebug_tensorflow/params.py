@@ -11,9 +11,9 @@ import numpy as np
 import tensorflow as tf
 
 from graddebug.errors import ConfigError, GradientCountError
-from graddebug_tensorflow.buffers import StateBuffers
+from graddebug_tensorflow.captures import StateBuffers
+from graddebug_tensorflow.distributed import replica_index
 from graddebug_tensorflow.model import LayerIndex
-from graddebug_tensorflow.replicas import replica_index
 from graddebug_tensorflow.stats import (
     EAGER_TENSOR,
     PARAM_WIDTH,

@@ -25,9 +25,11 @@ def graddebug_adapter(target: object) -> AdapterFactory | None:
         claimed += (keras.layers.Layer, keras.Variable)
     if not isinstance(target, claimed):
         return None
-    from graddebug_tensorflow.v1graph import V1GraphAdapter, in_v1_graph
+    from graddebug_tensorflow.v1session import in_v1_graph
 
     if in_v1_graph(target):
+        from graddebug_tensorflow.v1graph import V1GraphAdapter
+
         return V1GraphAdapter
     from graddebug_tensorflow.adapter import TensorFlowAdapter
 

@@ -12,19 +12,22 @@ A ``LossScaleOptimizer`` skips a step whose scaled gradients hold Inf or NaN, an
 scale; it doubles the scale after ``dynamic_growth_steps`` finite steps. A step is therefore
 skipped exactly when the scale after ``apply`` is below the scale before it, which
 :func:`note_step` writes into the scaler's row of the state buffers (see
-:class:`~.buffers.ScalerCol`). No private method of the optimizer is needed.
+:class:`~.captures.ScalerCol`). No private method of the optimizer is needed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from graddebug_tensorflow.buffers import ScalerCol
+from graddebug_tensorflow.captures import ScalerCol
 from graddebug_tensorflow.stats import compiled
 
-__all__ = ["LossScale", "note_step"]
+if TYPE_CHECKING:
+    from graddebug_tensorflow.captures import StateBuffers
+
+__all__ = ["LossScale", "given_scale", "note_step"]
 
 
 class LossScale:
@@ -86,3 +89,17 @@ def note_step(row: tf.Variable, before: Any, after: Any) -> None:
         _note_step_eagerly(row, before, after)
     else:
         _note_step(row, before, after)
+
+
+def given_scale(scale: LossScale | None, buffers: StateBuffers) -> Any:
+    """The loss scale that gradients handed to ``step(grads)`` carry: that of the last
+    ``apply`` in the step (from the scaler's row of ``buffers``), else the one in use now;
+    None without loss scaling."""
+    if scale is None:
+        return None
+    now = tf.cast(scale.current(), tf.float64)
+    row = buffers.scaler
+    if row is None:
+        return now
+    row = buffers.copy(row, 0)
+    return tf.where(row[ScalerCol.APPLIED] > 0, row[ScalerCol.SCALE], now)

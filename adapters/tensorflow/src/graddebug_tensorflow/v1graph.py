@@ -5,10 +5,11 @@ A v1 graph runs only when a session runs it, and a variable of graddebug's would
 user's initialiser. So nothing here writes state: a tap's custom-gradient identity builds its
 statistics (:mod:`.stats`, the same ops as in TF2) as plain tensors of the graph, at the time
 ``tf.compat.v1.gradients`` builds the backward pass, and :meth:`V1GraphAdapter.fetches` stacks
-them, with the rows of the ``params=`` gradients, into one :class:`GraphStats`. The user fetches
-it in the ``session.run`` that trains, so the statistics come back with the step's own values
-and no second pass; ``dbg.step(fetched)`` (or :class:`SessionHook` in a
-``MonitoredTrainingSession``) turns them into the same records as in TF2 (:mod:`.records`).
+them, with the rows of the ``params=`` gradients, into one :class:`~.v1session.GraphStats`.
+The user fetches it in the ``session.run`` that trains, so the statistics come back with the
+step's own values and no second pass; ``dbg.step(fetched)`` (or
+:class:`~.v1session.SessionHook` in a ``MonitoredTrainingSession``) turns them into the same
+records as in TF2 (:mod:`.closing`).
 
 Extremes are measured on every step (a graph cannot ask the Watcher for the tier of the
 step), ``keep=`` gradients are fetched with the rest, and loss scaling and ``tf.distribute``
@@ -21,17 +22,17 @@ import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
 from graddebug.capture.layers import Intervention, LayerSpec, keep_label
-from graddebug.errors import ConfigError, GradDebugError, GradientCountError
+from graddebug.errors import ConfigError, GradientCountError
+from graddebug_tensorflow.closing import param_records, step_records
 from graddebug_tensorflow.outputs import Slot, intervene, is_mask_tensor, unit_axis
 from graddebug_tensorflow.params import Param
-from graddebug_tensorflow.records import param_records, step_records
 from graddebug_tensorflow.stats import (
     ACT_WIDTH,
     PARAM_WIDTH,
@@ -40,43 +41,9 @@ from graddebug_tensorflow.stats import (
     forward_row,
     param_row,
 )
+from graddebug_tensorflow.v1session import GraphStats, SessionHook, in_v1_graph
 
-__all__ = ["GraphStats", "SessionHook", "V1GraphAdapter", "in_v1_graph"]
-
-
-def _v1_graph(graph: Any) -> bool:
-    return isinstance(graph, tf.Graph) and not getattr(graph, "building_function", False)
-
-
-def in_v1_graph(target: Any) -> bool:
-    """Whether ``target`` (a tensor, a variable, or anything else: the default graph) belongs
-    to a ``tf.compat.v1`` graph, one that a session runs, rather than to eager code or a
-    ``tf.function``."""
-    if isinstance(target, (tf.Tensor, tf.Variable)):
-        try:
-            return _v1_graph(target.graph)
-        except AttributeError:  # eager tensors and variables have no graph
-            return False
-    return not tf.executing_eagerly() and _v1_graph(tf.compat.v1.get_default_graph())
-
-
-class GraphStats(NamedTuple):
-    """graddebug's fetches in a v1 graph, and what ``session.run`` returns for them.
-
-    ``session.run`` gives back a named tuple of this type with numpy values in place of the
-    tensors, which ``dbg.step()`` tells apart from a list of gradients by its type.
-
-    Attributes:
-        layout: Which :meth:`V1GraphAdapter.fetches` call built it (an int64 scalar).
-        activations: The rows of the taps, ``(taps, ACT_WIDTH)``.
-        params: The rows of the ``params=`` gradients, then the source row.
-        kept: The gradients that ``keep=`` asks for, by label.
-    """
-
-    layout: Any
-    activations: Any
-    params: Any
-    kept: Any
+__all__ = ["V1GraphAdapter"]
 
 
 @dataclass
@@ -195,25 +162,6 @@ class V1GraphAdapter(BaseAdapter):
 
         own["apply_gradients"] = apply_gradients
 
-    def train_step(self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any,
-                   optimizer: Any) -> Sequence[Any] | None:
-        """Refuse: a v1 graph has no model to call.
-
-        Raises:
-            ConfigError: Always.
-        """
-        raise ConfigError("graddebug.check() runs models eagerly; a tf.compat.v1 graph runs "
-                          "in a session: watch it with fetches() or session_hook().")
-
-    def callback(self, **options: Any) -> Any:
-        """Refuse: ``model.fit`` does not run a v1 graph.
-
-        Raises:
-            ConfigError: Always, pointing to :meth:`session_hook`.
-        """
-        raise ConfigError("a tf.compat.v1 graph is trained with a session, not model.fit: "
-                          "use MonitoredTrainingSession(hooks=[dbg.session_hook()]).")
-
     # -- taps -------------------------------------------------------------------------
 
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
@@ -242,6 +190,7 @@ class V1GraphAdapter(BaseAdapter):
         return tensor  # fail-open: a graddebug bug leaves the tensor as it was
 
     def _watch(self, layer: LayerSpec, spec: Intervention | None, tensor: tf.Tensor) -> Any:
+        """Pass ``tensor`` through a custom-gradient identity whose gradient builds its row."""
         if layer.depth < 0:
             layer.depth = self._take_depth()
         if not layer.capture and (spec is None or not spec.active):
@@ -271,6 +220,7 @@ class V1GraphAdapter(BaseAdapter):
 
     def _on_grad(self, layer: LayerSpec, entry: _Entry | None, spec: Intervention | None,
                  axis: int | None, dy: tf.Tensor) -> tf.Tensor:
+        """Apply the intervention to ``dy`` and build its row; return the gradient that flows on."""
         new = dy
         if spec is not None and spec.active:
             new = intervene(spec, layer.name, dy, self._ctx.internal_error)
@@ -451,40 +401,3 @@ def _ancestors(tensors: Sequence[Any]) -> set[Any]:
         stack.extend(i.op for i in op.inputs)
         stack.extend(op.control_inputs)
     return seen
-
-
-class SessionHook(tf.compat.v1.train.SessionRunHook):
-    """Records a step in every ``run`` of a ``MonitoredTrainingSession``:
-    ``MonitoredTrainingSession(hooks=[dbg.session_hook()])``.
-
-    The fetches are built in :meth:`begin`, before the session finalizes the graph, so build
-    the taps and gradients before the session.
-
-    Args:
-        context: The hook side of the Watcher, whose ``watcher.step()`` closes each step.
-        adapter: The adapter that builds the fetches.
-        grads: As for :meth:`V1GraphAdapter.fetches`.
-    """
-
-    def __init__(self, context: WatchContext, adapter: V1GraphAdapter, grads: Any) -> None:
-        self._ctx = context
-        self._adapter = adapter
-        self._grads = grads
-        self._fetches: GraphStats | None = None
-
-    def begin(self) -> None:
-        """Build the fetches in the session's graph."""
-        self._fetches = self._adapter.fetches(self._grads)
-
-    def before_run(self, run_context: Any) -> Any:
-        """Add the fetches to the ``run``."""
-        return tf.compat.v1.train.SessionRunArgs(self._fetches)
-
-    def after_run(self, run_context: Any, run_values: Any) -> None:
-        """Close the step with what the ``run`` fetched."""
-        try:
-            self._ctx.watcher.step(run_values.results)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: the user's run has already happened
-            self._ctx.internal_error(exc, "session_hook")

@@ -3,7 +3,7 @@
 Under a strategy of several replicas in one process (``MirroredStrategy``), Keras and
 ``strategy.run`` call a replica function once per replica: the same layers, the same
 gradient functions, in one graph traced once per replica. Each replica writes its
-statistics into its own copy of the adapter's state (:class:`~.buffers.StateBuffers` makes
+statistics into its own copy of the adapter's state (:class:`~.captures.StateBuffers` makes
 the copies), chosen by the replica's index, which is known when the graph is traced. Without
 a strategy none of this runs: there is one copy, and no replica to ask for.
 """

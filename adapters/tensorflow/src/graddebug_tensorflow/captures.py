@@ -1,16 +1,21 @@
-"""TF state that statistics are written into, read back and cleared once per recorded step.
+"""What the hooks fill during a step: TF state that statistics are written into, read back and
+cleared once per recorded step, and the flags that tell a compiled step whether to write it.
 
 Hooks inside a ``tf.function`` run once, at trace time; what they leave in the graph must write
-somewhere every step. They write rows into ``tf.Variable`` buffers: activation rows in chunks
-of :data:`CHUNK` rows (a chunk is added, outside any graph, when a new slot needs one, so
-graphs traced earlier stay valid), parameter rows in one variable. Closing a step concatenates
-every buffer into one tensor, copies it to the host (one transfer per step) and zeroes the
-buffers.
+somewhere every step. They write rows into ``tf.Variable`` buffers (:class:`StateBuffers`):
+activation rows in chunks of :data:`CHUNK` rows (a chunk is added, outside any graph, when a new
+slot needs one, so graphs traced earlier stay valid), parameter rows in one variable. Closing a
+step concatenates every buffer into one tensor, copies it to the host (one transfer per step)
+and zeroes the buffers. An eager step's sentinel rows are gathered by
+:class:`~.eagerrows.EagerRows` and written into these buffers just before they are read.
 
 Under a ``tf.distribute`` strategy of several replicas, every buffer is a variable with one
 copy per replica (``synchronization=ON_READ``, no aggregation): each replica writes its own
 copy (:meth:`StateBuffers.local`), and closing a step reads them all, still in one transfer.
 A loss-scaling optimizer adds one small row (:class:`ScalerCol`).
+
+A compiled step cannot ask the Watcher whether it is recorded, or which statistics it
+measures: :class:`StepGates` holds those answers in variables that it reads.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import tensorflow as tf
 
-from graddebug_tensorflow.replicas import replica_index
+from graddebug_tensorflow.distributed import replica_index
 from graddebug_tensorflow.stats import ACT_WIDTH, PARAM_WIDTH, compiled, flat_entry
 
-__all__ = ["CHUNK", "SCALER_WIDTH", "Rows", "ScalerCol", "StateBuffers"]
+__all__ = ["CHUNK", "SCALER_WIDTH", "Rows", "ScalerCol", "StateBuffers", "StepGates"]
 
 CHUNK = 64
 
@@ -150,6 +155,7 @@ class StateBuffers:
         return self.scaler
 
     def _variables(self) -> list[tf.Variable]:
+        """Every buffer variable, in the order :meth:`flat` concatenates them."""
         return [*self._chunks, *(v for v in (self.params, self.scaler) if v is not None)]
 
     def flat(self) -> tf.Tensor | None:
@@ -194,6 +200,7 @@ class StateBuffers:
         return traced[1], traced[2]
 
     def _read(self) -> Rows:
+        """The rows of every buffer, read with one transfer."""
         traced = self._traced_pair()
         flat = self.flat() if traced is None else traced[0]()
         return self.unpack(None if flat is None else flat.numpy())
@@ -217,6 +224,7 @@ class StateBuffers:
             traced[1]()
 
     def _zero(self) -> None:
+        """Zero every copy of every buffer, op by op."""
         for v in self._variables():
             for r in range(self.replicas):
                 copy = self.copy(v, r)
@@ -228,3 +236,60 @@ def _no_args(function: Any) -> Callable[[], Any]:
     traced = function.get_concrete_function()
     entry = flat_entry(traced)
     return cast("Callable[[], Any]", traced) if entry is None else lambda: entry([])
+
+
+class StepGates:
+    """The flags a compiled step reads, since it cannot ask the Watcher: whether the step is
+    recorded (``every=``) and whether it measures every statistic (``full_stats_every=``).
+
+    Each is a ``tf.Variable`` only where it can change from step to step; an eager hook asks
+    the Watcher instead.
+
+    Attributes:
+        recording_var: Whether the step is recorded, where ``every > 1``; else None.
+        full_var: Whether the step measures every statistic, where ``full_stats_every > 1``
+            (and ``every`` is 1); else None.
+    """
+
+    __slots__ = ("_full_now", "_recording_now", "full_var", "recording_var")
+
+    def __init__(self) -> None:
+        self.recording_var: tf.Variable | None = None
+        self.full_var: tf.Variable | None = None
+        # What the two hold: an eager assign is an op dispatch, skipped when nothing changes.
+        self._recording_now = self._full_now = True
+
+    def create(self, every: int, full_stats_every: int, recording: bool, full: bool) -> None:
+        """Create the variables that ``every`` and ``full_stats_every`` need.
+
+        Args:
+            every: Record one step in ``every``.
+            full_stats_every: One recorded step in this many measures every statistic.
+            recording: Whether the next step is recorded.
+            full: Whether the next step measures every statistic.
+        """
+        self._recording_now, self._full_now = recording, full
+        if every > 1:
+            self.recording_var = tf.Variable(recording, trainable=False,
+                                             name="graddebug_recording")
+        elif full_stats_every > 1:
+            self.full_var = tf.Variable(full, trainable=False, name="graddebug_full_stats")
+
+    def when_recording(self, write: Callable[[], tf.Tensor]) -> None:
+        """Run ``write`` now (eager), or on recorded steps only (a graph, with ``every=``)."""
+        if self.recording_var is None or tf.executing_eagerly():
+            write()
+        else:
+            tf.cond(self.recording_var, write, lambda: tf.constant(False))
+
+    def set_recording(self, recording: bool) -> None:
+        """Say whether the next step is recorded."""
+        if self.recording_var is not None and recording != self._recording_now:
+            self.recording_var.assign(recording)
+            self._recording_now = recording
+
+    def set_full(self, full: bool) -> None:
+        """Say whether the next step measures every statistic."""
+        if self.full_var is not None and full != self._full_now:
+            self.full_var.assign(full)
+            self._full_now = full

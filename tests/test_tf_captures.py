@@ -1,5 +1,6 @@
-"""The TF adapter's state buffers: read and zeroed in one call, eagerly, also after a buffer
-is added or recreated. Reference: the values written, read back with numpy."""
+"""The TF adapter's state buffers (``graddebug_tensorflow.captures``): read and zeroed in one
+call, eagerly, also after a buffer is added or recreated. Reference: the values written, read
+back with numpy."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from graddebug_tensorflow.buffers import CHUNK, StateBuffers  # noqa: E402
+from graddebug_tensorflow.captures import CHUNK, StateBuffers  # noqa: E402
 from graddebug_tensorflow.stats import ACT_WIDTH, PARAM_WIDTH  # noqa: E402
 
 

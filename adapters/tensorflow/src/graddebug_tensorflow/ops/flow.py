@@ -1,6 +1,6 @@
 """Ops that cut a traced graph's gradient, named for ``cut_graph`` findings (``ops=True``).
 
-The op callback of :mod:`.ops` notes, as a trace creates them inside watched layers, the ops
+The op callback of :mod:`.capture` notes, as a trace creates them inside watched layers, the ops
 through which no gradient flows: ``StopGradient``, ``PyFunc``/``EagerPyFunc``
 (``tf.numpy_function``, ``tf.py_function``), a ``Cast`` to an integer, rounding and argmax.
 Only once a step shows a cut (starved variables, a cut layer output) is each one judged, once

@@ -1,61 +1,39 @@
-"""Op-level capture in TensorFlow graphs (``watch(model, ops=True)``, ``escalate=True``).
+"""Op-level capture's op callback, the variables its finiteness codes are written into, and
+the events read from them (see the package's docstring for how the three fit).
 
-A ``tf.function`` (``model.fit``'s compiled step included) is traced once and then runs with no
-Python: whatever names an operation must be built into the graph while it is traced. An op
-callback (:mod:`tensorflow.python.framework.op_callbacks`, the mechanism
-``tf.debugging.enable_check_numerics`` uses) sees every op as the trace creates it. For each op
+An op callback (:mod:`tensorflow.python.framework.op_callbacks`, the mechanism
+``tf.debugging.enable_check_numerics`` uses) sees every op as a trace creates it. For each op
 with a floating output created inside a watched layer's ``call``, and for each op of the
 backward pass that differentiates one of them, it adds a finiteness code (finite, Inf, NaN)
 written into a ``tf.Variable``; closing the step reads the codes with one transfer and zeroes
-them. Nothing raises inside the user's step, unlike ``CheckNumerics``.
-
-From the codes, an op is where NaN or Inf was born when its output is non-finite while every
-floating input it read was finite: in forward, the first such op (``op_nonfinite``); in
-backward, the first gradient op, closest to the loss (``op_grad_nonfinite``), reported as the
-backward of the forward op it differentiates. Each carries the op type, its name and the
-user's source line from the op's creation traceback (``op.traceback``). A few links of
-chains that Grappler rewrites are left unchecked, so that the weights stay bitwise identical
-(see ``_CHAINED``).
-
-Cut graphs need no per-step work: when a step shows starved parameters or cut layer outputs,
-the ops that cut gradients (``StopGradient``, ``PyFunc``/``EagerPyFunc`` of
-``tf.numpy_function``/``tf.py_function``, a ``Cast`` to an integer, rounding, argmax), traced
-inside watched layers downstream of a variable, are named as ``op_cut`` events, judged once
-per trace (:mod:`.opcuts`).
-
-Eager steps are left to layer capture: the callback is registered on the first watched layer
-call inside a graph, and never for an eager loop. Under ``escalate=True`` the same ops are
-traced, each under a ``tf.cond`` on one variable, armed only for the steps that follow a
-suspect step.
+them. A few links of chains that Grappler rewrites are left unchecked, so that the weights stay
+bitwise identical (see ``_CHAINED``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 import re
-import sysconfig
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from graddebug.capture.layers import LayerSpec, display_path
+from graddebug.capture.layers import LayerSpec
 from graddebug.records import Event, EventKind
-from graddebug_tensorflow.opcuts import CHECK_SCOPE, Cut, cut_cause, judge
+from graddebug_tensorflow.ops.flow import CHECK_SCOPE, Cut, cut_cause, judge
+from graddebug_tensorflow.ops.sites import Site, user_source
 
 try:
     from tensorflow.python.framework import op_callbacks as _op_callbacks
 except ImportError:  # pragma: no cover - a TF without op callbacks: layer capture only
     _op_callbacks = None
 
-__all__ = ["CHUNK", "OpCapture", "available", "user_source"]
+__all__ = ["CHUNK", "OpCapture", "available"]
 
 CHUNK = 4096
 """Codes per variable chunk; a trace that needs more adds a chunk outside the graph."""
@@ -90,76 +68,6 @@ def available() -> bool:
     return _op_callbacks is not None
 
 
-@functools.cache
-def _library_dirs() -> tuple[str, ...]:
-    dirs = [os.path.dirname(tf.__file__), os.path.dirname(keras.__file__),
-            os.path.dirname(os.path.dirname(__file__)), sysconfig.get_paths()["stdlib"]]
-    try:
-        import graddebug
-
-        dirs.append(os.path.dirname(graddebug.__file__))
-    except ImportError:  # pragma: no cover - the core is this adapter's dependency
-        pass
-    # Keras 3 keeps part of its TF code in tf_keras or keras.src; TF in tensorflow.python.
-    for name in ("tf_keras", "absl"):
-        try:
-            module = __import__(name)
-            dirs.append(os.path.dirname(module.__file__ or ""))
-        except ImportError:
-            pass
-    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
-
-
-@functools.cache
-def _is_library(filename: str) -> bool:
-    """Whether a traceback's file is TensorFlow's, Keras', graddebug's or Python's own."""
-    return filename.startswith("<") or os.path.realpath(filename).startswith(_library_dirs())
-
-
-def user_source(op: Any) -> str:
-    """``file:line`` of the innermost frame of ``op``'s creation traceback that is the user's
-    code (not TensorFlow's, Keras', graddebug's or the standard library's); empty if none."""
-    for frame in reversed(list(getattr(op, "traceback", None) or ())):
-        if not _is_library(frame.filename):
-            return f"{display_path(frame.filename)}:{frame.lineno}"
-    return ""
-
-
-@dataclass(eq=False, slots=True)
-class _Site:
-    """One op whose outputs are checked, and what its events carry.
-
-    Attributes:
-        spec: The watched layer whose ``call`` created it (for a gradient op, the forward
-            op's).
-        op_type: The op's type (``Log``).
-        op_name: The op's name in the graph.
-        source: ``file:line`` of the user's code that created it.
-        codes: Indices of its outputs' codes (none for an output left unchecked, or not
-            checked yet: see ``_CHAINED``).
-        inputs: Indices of the codes of the floating inputs it read.
-        forward: For a gradient op, the forward op it differentiates.
-    """
-
-    spec: LayerSpec
-    op_type: str
-    op_name: str
-    source: str
-    codes: tuple[int, ...]
-    inputs: tuple[int, ...] = ()
-    forward: _Site | None = None
-
-    @property
-    def tensor(self) -> str:
-        """The ``tensor`` of its events: ``<op type>@<file:line>``."""
-        return f"{self.op_type}@{self.source}" if self.source else self.op_type
-
-    def describe(self) -> str:
-        """``Log 'model/layer/Log' (file.py:12)``, for event details."""
-        where = f" ({self.source})" if self.source else ""
-        return f"{self.op_type} {self.op_name!r}{where}"
-
-
 @dataclass(eq=False)
 class _GraphState:
     """What one traced graph holds: its checked tensors, forward ops and candidate cuts."""
@@ -167,9 +75,9 @@ class _GraphState:
     graph: weakref.ReferenceType[Any]
     codes: dict[str, int] = field(default_factory=dict)  # tensor name -> code index
     aliases: dict[str, Any] = field(default_factory=dict)  # identity name -> tensor it passes
-    pending: dict[str, _Site] = field(default_factory=dict)  # chained outputs, unchecked yet
-    forward: dict[str, _Site] = field(default_factory=dict)  # op name -> site
-    outputs: dict[str, _Site] = field(default_factory=dict)  # tensor name -> forward site
+    pending: dict[str, Site] = field(default_factory=dict)  # chained outputs, unchecked yet
+    forward: dict[str, Site] = field(default_factory=dict)  # op name -> site
+    outputs: dict[str, Site] = field(default_factory=dict)  # tensor name -> forward site
     cuts: list[Cut] = field(default_factory=list)
 
 
@@ -186,7 +94,7 @@ class OpCapture:
         self._on_bug = on_bug
         self._chunks: list[tf.Variable] = []
         self._count = 0
-        self._sites: list[_Site] = []
+        self._sites: list[Site] = []
         self._graphs: weakref.WeakKeyDictionary[Any, _GraphState] = weakref.WeakKeyDictionary()
         self._stack: list[LayerSpec] = []
         self._own = 0
@@ -261,6 +169,7 @@ class OpCapture:
 
     def _callback(self, op_type: str, inputs: Any, attrs: Any, outputs: Any,
                   op_name: str | None = None, graph: Any = None) -> None:
+        """The op callback: every op a trace creates while it is registered (fail-open)."""
         if graph is None or self._own or self._removed or not outputs:
             return None
         try:
@@ -271,6 +180,8 @@ class OpCapture:
 
     def _trace(self, op_type: str, inputs: list[Any], attrs: Any, outputs: list[Any],
                graph: Any) -> None:
+        """Check a forward op created inside a watched layer, or a gradient op that differentiates
+        one; note the ops that may cut the graph."""
         state = self._graphs.get(graph)
         if self._stack:
             if state is None:
@@ -282,7 +193,7 @@ class OpCapture:
             if not floating:
                 return
             op = floating[0].op
-            site = _Site(self._stack[-1], op_type, op.name, user_source(op), (),
+            site = Site(self._stack[-1], op_type, op.name, user_source(op), (),
                          self._input_codes(state, op_type, inputs))
             self._output_codes(state, site, floating)
             self._sites.append(site)
@@ -299,12 +210,12 @@ class OpCapture:
         forward = self._differentiated(state, op.name, inputs)
         if forward is None:
             return
-        site = _Site(forward.spec, op_type, op.name, forward.source, (),
+        site = Site(forward.spec, op_type, op.name, forward.source, (),
                      self._input_codes(state, op_type, inputs), forward)
         self._output_codes(state, site, floating)
         self._sites.append(site)
 
-    def _differentiated(self, state: _GraphState, name: str, inputs: list[Any]) -> _Site | None:
+    def _differentiated(self, state: _GraphState, name: str, inputs: list[Any]) -> Site | None:
         """The forward op a gradient op named ``name`` differentiates: the forward op whose
         name scopes it (``gradient_tape/<forward op>/...``, or ``gradients/<forward
         op>_grad/...`` under ``tf.gradients``), else a forward op in the same scope whose
@@ -324,7 +235,7 @@ class OpCapture:
                 return site
         return None
 
-    def _output_codes(self, state: _GraphState, site: _Site, outputs: list[Any]) -> None:
+    def _output_codes(self, state: _GraphState, site: Site, outputs: list[Any]) -> None:
         """Check ``site``'s outputs now, or, for a link of a chain Grappler may rewrite,
         once a reader outside such chains appears (see ``_CHAINED``)."""
         if site.op_type in _CONTRACTIONS:
@@ -384,12 +295,15 @@ class OpCapture:
         return index
 
     def _grow(self, count: int) -> None:
+        """Add code chunks until there are ``count`` codes; call it outside any graph."""
         while len(self._chunks) * CHUNK < count:
             self._chunks.append(tf.Variable(tf.zeros([CHUNK], tf.int32), trainable=False,
                                             name=f"graddebug_op_codes_{len(self._chunks)}"))
 
     def _note_cut(self, state: _GraphState, op_type: str, inputs: list[Any],
                   outputs: list[Any]) -> None:
+        """Keep an op that may cut the gradient of a watched layer, to judge once a step shows a
+        cut."""
         cause = cut_cause(op_type, inputs, outputs)
         if cause is not None:
             op = outputs[0].op
@@ -446,7 +360,8 @@ class OpCapture:
         return events
 
     @staticmethod
-    def _event(step: int, site: _Site, kind: EventKind, detail: str) -> Event:
+    def _event(step: int, site: Site, kind: EventKind, detail: str) -> Event:
+        """The event of ``site`` in ``step``."""
         spec = site.spec
         return Event(step, spec.name, site.tensor, spec.depth, kind.value, detail,
                      source=site.source)
