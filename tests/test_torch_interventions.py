@@ -128,7 +128,7 @@ def test_mask_that_does_not_broadcast_names_layer_and_both_shapes() -> None:
 
 
 def test_a_later_tap_with_another_mask_that_does_not_fit_raises() -> None:
-    W, b, x, y0 = seed_problem()
+    W, b, x, _ = seed_problem()
     with graddebug.watch(params={"W": W}) as dbg:
         dbg.tap(x @ W + b, "h", mask=torch.ones(1, W.shape[1], dtype=torch.bool))
         with pytest.raises(MaskShapeError, match="'h'"):

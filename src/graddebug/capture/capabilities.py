@@ -83,9 +83,15 @@ def training(adapter: Adapter | None, what: str) -> Training:
             f"{what}() needs an active Watcher with a model: `with graddebug.watch(model) as "
             "dbg: model.fit(..., callbacks=[dbg.callback()])`."
         )
-    if not isinstance(adapter, Training):
+    if isinstance(adapter, Training):
+        return adapter
+    if isinstance(adapter, SessionGraphs):
         raise ConfigError(
-            f"{what}() needs a framework that trains models, and the {_named(adapter)} adapter "
-            "has no training loop; close each step with dbg.step()."
+            f"{what}() trains a model (graddebug.check, model.fit), and this Watcher watches a "
+            "graph that a session runs: record its steps with dbg.fetches() in your "
+            "session.run, or MonitoredTrainingSession(hooks=[dbg.session_hook()])."
         )
-    return adapter
+    raise ConfigError(
+        f"{what}() needs a framework that trains models, and the {_named(adapter)} adapter "
+        "has no training loop; close each step with dbg.step()."
+    )

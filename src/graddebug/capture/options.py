@@ -160,19 +160,20 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
         MissingFrameworkError: ``log_dir`` was given and pyarrow is missing, or
             ``tensorboard`` was given and tensorboardX is missing.
     """
+    flush_every = _positive_int("flush_every", flush_every, "steps")
+    every = _positive_int("every", every, "1 records every step")
+    full_stats_every = _positive_int("full_stats_every", full_stats_every,
+                                     "1 measures every statistic on every recorded step")
+    outputs, strict, ops, escalate = (check_flag(name, value) for name, value in (
+        ("outputs", outputs), ("strict", strict), ("ops", ops), ("escalate", escalate)))
     check_log_dir(log_dir)
     if param_stats not in ("norm", "full"):
         raise ConfigError(f"param_stats={param_stats!r} must be 'norm' or 'full'.")
     _check_params(params)
-    ops = check_flag("ops", ops)
     chosen, sites, kept, interventions = _names(layers, keep, intervene, ops)
-    return WatchOptions(  # keyword arguments run in order: the numbers are checked first
-        flush_every=_positive_int("flush_every", flush_every, "steps"),
-        every=_positive_int("every", every, "1 records every step"),
-        full_stats_every=_positive_int("full_stats_every", full_stats_every,
-                                       "1 measures every statistic on every recorded step"),
-        outputs=check_flag("outputs", outputs), strict=check_flag("strict", strict),
-        ops=ops, escalate=check_flag("escalate", escalate),
+    return WatchOptions(
+        flush_every=flush_every, every=every, full_stats_every=full_stats_every,
+        outputs=outputs, strict=strict, ops=ops, escalate=escalate,
         layers=chosen, keep=kept, intervene=interventions, op_sites=sites,
         param_stats=param_stats, optimizer=optimizer, scaler=scaler, params=params,
         keep_steps=keep_steps, thresholds=thresholds, log_dir=log_dir,
