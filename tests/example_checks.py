@@ -108,7 +108,7 @@ def check_healthy(namespace: dict[str, Any], result: dict[str, Any], ratio: Rati
     assert findings.empty
     assert list(findings.columns) == [  # the documented contract, spelled out
         "step", "layer", "tensor", "issue", "severity", "value", "threshold", "message", "rank",
-        "source",
+        "source", "cause",
     ]
     assert set(frame["kind"]) == {"activation", "parameter"}
     assert frame["step"].nunique() == namespace["STEPS"]

@@ -45,6 +45,7 @@ def test_gradual_vanishing_names_the_farthest_layer_and_counts_the_others() -> N
     assert "3 layer(s)" in message and "shrinks layer by layer" in message
     assert vanishing["value"].iloc[0] == pytest.approx(1e-9)
     assert "l5" in message  # names the last layer it compared with
+    assert vanishing["cause"].iloc[0] == "layer"
 
 
 def test_ratios_compare_entries_not_norms_of_different_sizes() -> None:
@@ -129,6 +130,7 @@ def test_a_huge_jump_names_its_source_once() -> None:
     message = found["message"].item()
     assert "backward of 'l4'" in message and "the output of 'l3'" in message
     assert "4 layer(s)" in message
+    assert found["cause"].item() == "layer"  # a weight of l4, not the whole run
 
 
 def test_gradual_explosion_names_the_farthest_layer() -> None:
@@ -172,6 +174,7 @@ def test_exploding_growth_across_steps_on_smoothed_total() -> None:
     assert len(growth) == 1
     assert growth["layer"].iloc[0] == "l0"
     assert growth["value"].iloc[0] > 100
+    assert growth["cause"].iloc[0] == "optimizer"  # the whole run diverges
 
 
 def test_single_small_tensor_swinging_100x_is_not_growth() -> None:
@@ -195,6 +198,7 @@ def test_nonfinite_backward_origin_is_first_nan_in_backward_order() -> None:
     assert list(found["issue"]) == ["nonfinite"]
     assert found["layer"].iloc[0] == "l1"
     assert "'l2'" in found["message"].iloc[0]  # the finite neighbour whose backward produced it
+    assert found["cause"].iloc[0] == "numerics"
 
 
 def test_nonfinite_forward_origin_beats_backward_walk() -> None:
@@ -214,6 +218,7 @@ def test_cut_boundary_between_unreached_and_reached_layers() -> None:
     found = diagnose(rows, events)
     cut = found[found["severity"] == "error"]
     assert list(cut["layer"]) == ["b2.0"]
+    assert set(found["cause"]) == {"graph"}
     assert "between 'b1.1' and 'b2.0'" in cut["message"].iloc[0]
     starved = found[found["severity"] == "warning"]
     assert list(starved["layer"]) == ["b1.0"]
@@ -238,6 +243,7 @@ def test_dead_units_need_the_median_step_above_gamma() -> None:
     blip = [make_record(s, "fc2", 1, 1.0, zero_frac=0.9 if s == 0 else 0.1) for s in range(5)]
     found = diagnose(dead + blip)
     assert list(found["layer"]) == ["fc"]
+    assert list(found["cause"]) == ["layer"]
     assert found["value"].iloc[0] == pytest.approx(0.8)
 
 
@@ -250,3 +256,14 @@ def test_thresholds_change_the_verdict() -> None:
     assert not diagnose(rows).empty
     assert diagnose(rows, exploding_ratio=1000.0).empty
     assert diagnose(rows, exploding_gain=600.0).empty
+
+
+def test_every_built_in_finding_names_a_cause() -> None:
+    """Each diagnosis says where to look first; only graddebug's own bugs name none."""
+    rows = [r for s in range(3) for r in chain(s, [1e-9, 1e-7, 1e-5, 1e-2, 0.5, 1.0])]
+    rows += [make_record(s, "fc", 9, 1.0, zero_frac=0.9) for s in range(3)]
+    rows += [make_record(3, "l0", 0, float("nan"), nan=True)]
+    events = [Event(0, "cut", "output", 10, EventKind.DETACHED_OUTPUT.value, "detached")]
+    found = diagnose(rows, events)
+    assert set(found["issue"]) == {"vanishing", "dead", "nonfinite", "cut_graph"}
+    assert (found["cause"] != "").all(), found[["issue", "cause"]]

@@ -104,8 +104,9 @@ def test_a_healthy_model_passes_and_a_vanishing_one_fails_naming_the_layer(
     result.stdout.fnmatch_lines([
         "*_ test_vanishing _*",
         "E *AssertionError: graddebug found * problem* in the gradients:",
-        "E *step  layer  tensor  issue      severity  value     threshold  message",
-        "E *0     fc0    output  vanishing  warning   *  0.001      gradient vanishes at 'fc0': *",
+        "E *step  layer  tensor  issue      cause  severity  value     threshold  message",
+        "E *0     fc0    output  vanishing  layer  warning   *  0.001      gradient vanishes at "
+        "'fc0': *",
     ])
     assert "assert_healthy()" in result.stdout.str()  # the test's own line is shown
     assert "health.py" not in result.stdout.str()  # graddebug's frames are hidden
@@ -228,8 +229,8 @@ def test_strict_fails_passing_tests_with_findings_at_teardown(pytester: pytest.P
         "*ERROR at teardown of test_watch_without_asserting*",
         "graddebug --graddebug-strict: the gradients of this test have findings.",
         "watch(Sequential): * finding(s)",
-        "step  layer  tensor  issue      severity*",
-        "0     fc0    output  vanishing  warning*",
+        "step  layer  tensor  issue      cause  severity*",
+        "0     fc0    output  vanishing  layer  warning*",
     ])
     assert "ERROR at teardown of test_failing_with_findings" not in result.stdout.str()
 

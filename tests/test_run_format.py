@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 
 import graddebug
-from graddebug.records import EVENT_COLUMNS, FINDING_COLUMNS, RECORD_COLUMNS
+from graddebug.records import EVENT_COLUMNS, FINDING_COLUMNS, RECORD_COLUMNS, Cause
 
 pytest.importorskip("pyarrow")
 
@@ -55,12 +55,17 @@ def test_runs_of_format_1_load_with_their_frames(run_dir: Path) -> None:
     for name, method in (("frame", report.frame), ("events", report.events),
                          ("findings", report.findings)):
         got = method()
-        # Format 1 came from one process and knew no source lines: the columns appended since
-        # read as rank 0 and, for events and findings, an empty source.
-        appended = ["rank"] if name == "frame" else ["rank", "source"]
+        # Format 1 came from one process and knew no source lines nor causes: the columns
+        # appended since read as rank 0 and, for events and findings, an empty source; the
+        # findings' cause is the diagnosis's own.
+        appended = {"frame": ["rank"], "events": ["rank", "source"],
+                    "findings": ["rank", "source", "cause"]}[name]
         assert list(got.columns)[-len(appended):] == appended, name
         assert (got["rank"] == 0).all(), name
         assert name == "frame" or (got["source"] == "").all(), name
+        if name == "findings":
+            # a stored internal error names no cause
+            assert set(got["cause"]) <= {"", *(c.value for c in Cause)}, got["cause"]
         got = got.drop(columns=appended)
         assert {c: str(t) for c, t in got.dtypes.items()} == want["dtypes"][name], name
         pd.testing.assert_frame_equal(got, from_json(want[name], want["dtypes"][name]),

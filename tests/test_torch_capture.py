@@ -116,7 +116,7 @@ def test_frame_columns_follow_the_contract() -> None:
         "absmax", "zero_frac", "nan", "inf", "rank"]
     assert list(dbg.findings().columns) == [
         "step", "layer", "tensor", "issue", "severity", "value", "threshold", "message", "rank",
-        "source"]
+        "source", "cause"]
     assert set(dbg.frame()["rank"]) == {0}  # one process
     depths = dbg.frame().drop_duplicates("layer").set_index("layer")["depth"]
     assert list(depths.sort_values().index) == ["0", "1", "2"]  # forward order

@@ -48,8 +48,8 @@ def test_the_message_is_a_table_naming_step_layer_issue_and_message() -> None:
     lines = table_lines(error)
     assert lines[0] == "graddebug found 2 problems in the gradients:"
     header = lines[1]
-    assert header.split() == ["step", "layer", "tensor", "issue", "severity", "value",
-                              "threshold", "message"]
+    assert header.split() == ["step", "layer", "tensor", "issue", "cause", "severity",
+                              "value", "threshold", "message"]
     assert set(lines[2]) == {"-", " "}
     rows = lines[3:]
     assert len(rows) == 2
@@ -58,9 +58,9 @@ def test_the_message_is_a_table_naming_step_layer_issue_and_message() -> None:
         cells = row.split()
         layer = "l0"
         if cells[3] == "dead":
-            assert cells[:5] == ["0", "l4", "output", "dead", "warning"]
+            assert cells[:6] == ["0", "l4", "output", "dead", "layer", "warning"]
             continue
-        assert cells[:5] == ["0", layer, "output", "vanishing", "warning"]
+        assert cells[:6] == ["0", layer, "output", "vanishing", "layer", "warning"]
         assert f"gradient vanishes at '{layer}'" in row
         # Columns line up under the header, the message last.
         assert row.index("vanishing") == header.index("issue")

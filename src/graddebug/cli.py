@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "main"]
 
-FINDING_COLUMNS = ("step", "layer", "tensor", "issue", "severity", "value", "message")
+FINDING_COLUMNS = ("step", "layer", "tensor", "issue", "cause", "severity", "value",
+                   "message")
 SUMMARY_COLUMNS = ("layer", "tensor", "kind", "depth", "norm_median", "norm_min", "norm_max",
                    "zero_frac_median", "issues")
 TABLES = ("findings", "issues", "worst", "summary")

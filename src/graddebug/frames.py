@@ -222,14 +222,22 @@ def with_rank(frame: pd.DataFrame, columns: Sequence[str]) -> list[str]:
     """The columns of a table of ``frame``: ``columns``, with ``rank`` after the first one when
     some row of ``frame`` comes from a rank other than 0 (a multi-rank run); in one process
     every rank is 0 and the table leaves it out. Likewise ``source`` (of findings) is shown
-    only when some row has one, just before ``message``, which stays the last column."""
-    shown = [c for c in columns if c not in ("rank", "source")]
+    only when some row has one, just before ``message``, which stays the last column, and
+    ``cause`` only when some row has one, just after ``issue``."""
+    shown = [c for c in columns if c not in ("rank", "source", "cause")]
     if "rank" in frame and len(frame) and bool((frame["rank"] != 0).any()):
         shown.insert(1, "rank")
-    if "source" in frame and len(frame) and bool((frame["source"] != "").any()):
+    if "cause" in columns and _any_text(frame, "cause"):
+        at = shown.index("issue") + 1 if "issue" in shown else len(shown)
+        shown.insert(at, "cause")
+    if _any_text(frame, "source"):
         at = shown.index("message") if "message" in shown else len(shown)
         shown.insert(at, "source")
     return shown
+
+
+def _any_text(frame: pd.DataFrame, column: str) -> bool:
+    return column in frame and len(frame) > 0 and bool((frame[column] != "").any())
 
 
 def format_cell(value: object) -> str:

@@ -22,6 +22,7 @@ __all__ = [
     "FINDING_DTYPES",
     "RECORD_COLUMNS",
     "RECORD_DTYPES",
+    "Cause",
     "Event",
     "EventKind",
     "Finding",
@@ -222,6 +223,23 @@ class Issue(str, Enum):
     INTERNAL_ERROR = "internal_error"
 
 
+class Cause(str, Enum):
+    """Where to look first for the reason behind a finding (its ``cause`` column)."""
+
+    DATA = "data"
+    """The model's input held NaN or Inf: the batch, not the model."""
+    OPTIMIZER = "optimizer"
+    """Every layer changed together: the learning rate or the optimizer, not one layer."""
+    LAYER = "layer"
+    """One layer's weights or its code (an initialisation, a weight far too large or small,
+    a saturating activation)."""
+    NUMERICS = "numerics"
+    """An operation made NaN or Inf (or overflowed) from finite inputs: its formula needs an
+    epsilon, a clamp or a stable form."""
+    GRAPH = "graph"
+    """The gradient stops flowing: a ``detach()``, ``stop_gradient`` or numpy round trip."""
+
+
 class Severity(str, Enum):
     """How bad a finding is. ``error`` findings make ``graddebug report`` exit with 1."""
 
@@ -258,6 +276,9 @@ class Finding(NamedTuple):
         source: ``file:line`` of the operation behind a ``nonfinite`` or ``cut_graph``
             finding, where op-level capture saw it (``ops=True``, or ``escalate=True``); else
             empty.
+        cause: A :class:`Cause` value, where to look first; empty where no cause applies
+            (``internal_error``, a third-party detector that names none, runs written before
+            the column existed).
     """
 
     step: int
@@ -270,6 +291,7 @@ class Finding(NamedTuple):
     message: str
     rank: int = 0
     source: str = ""
+    cause: str = ""
 
 
 FINDING_COLUMNS: tuple[str, ...] = Finding._fields
@@ -277,5 +299,6 @@ FINDING_COLUMNS: tuple[str, ...] = Finding._fields
 FINDING_DTYPES: dict[str, str] = {
     "step": _I64, "layer": _OBJ, "tensor": _OBJ, "issue": _OBJ, "severity": _OBJ,
     "value": _F64, "threshold": _F64, "message": _OBJ, "rank": _I64, "source": _OBJ,
+    "cause": _OBJ,
 }
 """The pandas dtype of every :class:`Finding` field."""

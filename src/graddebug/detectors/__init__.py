@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from graddebug.records import EventKind, Finding, Issue, Kind, Severity
+from graddebug.records import Cause, EventKind, Finding, Issue, Kind, Severity
 
 __all__ = ["Evidence", "as_int", "finding", "fmt"]
 
@@ -152,11 +152,15 @@ def as_int(value: Any) -> int:
 
 
 def finding(issue: Issue, severity: Severity, step: Any, layer: Any, message: str, *,
-            tensor: Any = "", value: float = math.nan,
+            cause: Cause, tensor: Any = "", value: float = math.nan,
             threshold: float = math.nan, source: Any = "") -> Finding:
-    """Build a :class:`Finding` from pandas/numpy values, converting them to plain types."""
+    """Build a :class:`Finding` from pandas/numpy values, converting them to plain types.
+
+    Args:
+        cause: Where to look first; every built-in diagnosis names one.
+    """
     return Finding(as_int(step), str(layer), str(tensor), issue.value, severity.value,
-                   float(value), float(threshold), message, 0, str(source))
+                   float(value), float(threshold), message, 0, str(source), cause.value)
 
 
 def fmt(value: float) -> str:

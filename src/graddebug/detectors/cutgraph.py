@@ -16,7 +16,7 @@ import pandas as pd
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
-from graddebug.records import EventKind, Finding, Issue, Kind, Severity
+from graddebug.records import Cause, EventKind, Finding, Issue, Kind, Severity
 
 # The layer names a finding's message quotes ('fc1'), to choose among several op-level cuts.
 _NAMED = re.compile(r"'([^']+)'")
@@ -77,7 +77,7 @@ def _detached(events: pd.DataFrame) -> list[Finding]:
                 f"gradient stops at {row.layer!r}: {_why(row.detail)}, so nothing upstream of "
                 f"it learns. Look for {_CAUSES} there."
             ),
-            tensor=row.tensor,
+            tensor=row.tensor, cause=Cause.GRAPH
         )
         for row in rows.itertuples()
     ]
@@ -117,7 +117,7 @@ def _boundaries(evidence: Evidence) -> list[Finding]:
                 f"gradient stops between {last_lost['layer']!r} and {first['layer']!r}: "
                 f"{first['layer']}'s input is detached, so {len(upstream)} layer(s) upstream "
                 f"get no gradient. Look for {_CAUSES} between them."
-            ),
+            ), cause=Cause.GRAPH
         )
     return list(found.values())
 
@@ -149,7 +149,7 @@ def _starved(events: pd.DataFrame) -> list[Finding]:
                     f"If unused on purpose, freeze {them} "
                     "(requires_grad_(False) / trainable=False)."
                 ),
-                tensor=names[0],
+                tensor=names[0], cause=Cause.GRAPH
             )
         )
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
-from graddebug.records import Finding, Issue, Kind, Severity
+from graddebug.records import Cause, Finding, Issue, Kind, Severity
 
 
 @hookimpl
@@ -36,7 +36,7 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
                 "and stop learning. Try a lower learning rate, LeakyReLU/GELU, He "
                 "initialisation, or a normalisation layer before the activation."
             ),
-            tensor=tensor, value=frac, threshold=gamma,
+            tensor=tensor, value=frac, threshold=gamma, cause=Cause.LAYER
         )
         for (layer, tensor), frac, steps, first in zip(
             dead.index, dead["frac"], dead["steps"], dead["step"], strict=True)

@@ -17,7 +17,7 @@ from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding, fmt
 from graddebug.detectors._depth import DepthTrend, depth_trend, find_jump, profile
 from graddebug.hookspecs import hookimpl
-from graddebug.records import Finding, Issue, Kind, Severity
+from graddebug.records import Cause, Finding, Issue, Kind, Severity
 
 _ADVICE = (
     "Try gradient clipping (torch clip_grad_norm_, Keras clipnorm= on the optimizer), a lower "
@@ -82,7 +82,7 @@ def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
             f"A weight of {jump.layer!r} far too large does this. {_ADVICE}"
         )
         return [finding(Issue.EXPLODING, Severity.WARNING, first, jump.layer, message,
-                        value=worst, threshold=limit)]
+                        value=worst, threshold=limit, cause=Cause.LAYER)]
     others = len(per_layer) - 1
     also = f"; {_others(others)} exceed it too" if others else ""
     message = (
@@ -92,7 +92,7 @@ def _magnitude(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
     )
     return [finding(Issue.EXPLODING, Severity.WARNING, per_layer.loc[worst_layer, "step"],
                     worst_layer, message, tensor=worst_row["tensor"], value=worst,
-                    threshold=limit)]
+                    threshold=limit, cause=Cause.LAYER)]
 
 
 def _explains(source: str, step_rows: pd.DataFrame, big: set[str]) -> bool:
@@ -118,7 +118,7 @@ def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
             Issue.EXPLODING, Severity.WARNING, trend.first_step, trend.named,
             _depth_message(trend, evidence.clean_steps(), limit),
             tensor="output" if evidence.basis == Kind.ACTIVATION.value else "",
-            value=max(trend.victims.values()), threshold=limit,
+            value=max(trend.victims.values()), threshold=limit, cause=Cause.LAYER
         )
     ]
 
@@ -201,6 +201,6 @@ def _growth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
                 f"by step {step}; {best_layer!r} grew the most ({fmt(best)}-fold). The run is "
                 f"diverging: {_ADVICE}"
             ),
-            value=growth, threshold=factor,
+            value=growth, threshold=factor, cause=Cause.OPTIMIZER
         )
     ]

@@ -8,7 +8,7 @@ import pandas as pd
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
-from graddebug.records import EventKind, Finding, Issue, Kind, Severity
+from graddebug.records import Cause, EventKind, Finding, Issue, Kind, Severity
 
 _FORWARD_ADVICE = (
     "Look for log/sqrt/pow/division of non-positive or zero values, or overflow, in its "
@@ -105,7 +105,7 @@ def _pin(step: int, at: int, rows: pd.DataFrame, born_forward: bool) -> Finding 
                 f"operation whose output held {first['detail']} in the forward pass ({when}); "
                 f"every gradient behind it is poisoned. {_FORWARD_ADVICE}"
             ),
-            tensor=first["tensor"], source=first["source"],
+            tensor=first["tensor"], source=first["source"], cause=Cause.NUMERICS
         )
     backward = rows[rows["event"] == _OP_BACKWARD]
     if born_forward or backward.empty:
@@ -120,7 +120,7 @@ def _pin(step: int, at: int, rows: pd.DataFrame, born_forward: bool) -> Finding 
             f"finite gradient into {last['detail']} ({when}): the gradient at its output was "
             f"finite. {_BACKWARD_ADVICE}"
         ),
-        tensor=last["tensor"], source=last["source"],
+        tensor=last["tensor"], source=last["source"], cause=Cause.NUMERICS
     )
 
 
@@ -160,7 +160,7 @@ def origin_of(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
                 f"the forward pass (step {step}); every gradient behind it is poisoned. "
                 f"{_FORWARD_ADVICE}"
             ),
-            tensor=first["tensor"],
+            tensor=first["tensor"], cause=Cause.NUMERICS
         )
     if bad.empty:
         return None
@@ -184,7 +184,7 @@ def origin_of(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
                     f"gradient first becomes {_what(bad)} at {where} (step {step}), {after}"
                     f"{_BACKWARD_ADVICE}"
                 ),
-                tensor=row.tensor,
+                tensor=row.tensor, cause=Cause.NUMERICS
             )
         previous = row.layer
     return None

@@ -8,7 +8,7 @@ from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding, fmt
 from graddebug.detectors.nonfinite import origin_of
 from graddebug.hookspecs import hookimpl
-from graddebug.records import EventKind, Finding, Issue, Severity
+from graddebug.records import Cause, EventKind, Finding, Issue, Severity
 
 __all__ = ["SCALE_PREFIX", "graddebug_findings"]
 
@@ -77,7 +77,7 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
         f"because the scaled gradients held Inf or NaN, and lowered its scale (to "
         f"{fmt(last_scale)} at the last skip). A few skips while the scale settles are "
         "normal; many mean the gradients overflow float16 itself.",
-        value=float(len(longest)), threshold=float(thresholds.overflow_steps),
+        value=float(len(longest)), threshold=float(thresholds.overflow_steps), cause=Cause.NUMERICS
     )]
 
 
@@ -114,4 +114,5 @@ def _persistent(evidence: Evidence, steps: list[int], low_scale: float | None,
         tensor=origin.tensor if origin is not None else "",
         value=low_scale if low_scale is not None else float(len(steps)),
         threshold=1.0 if low_scale is not None else float(thresholds.overflow_steps),
+        cause=Cause.NUMERICS
     )

@@ -14,7 +14,7 @@ from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding, fmt
 from graddebug.detectors._depth import Jump, depth_trend, find_jump, profile
 from graddebug.hookspecs import hookimpl
-from graddebug.records import Finding, Issue, Kind, Severity
+from graddebug.records import Cause, Finding, Issue, Kind, Severity
 
 _ADVICE = (
     "Try ReLU/GELU instead of sigmoid/tanh, He or Xavier initialisation, a normalisation "
@@ -64,7 +64,7 @@ def _depth(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
         finding(
             Issue.VANISHING, Severity.WARNING, trend.first_step, trend.named, message,
             tensor="output" if evidence.basis == Kind.ACTIVATION.value else "",
-            value=trend.victims[worst_layer], threshold=ratio_t,
+            value=trend.victims[worst_layer], threshold=ratio_t, cause=Cause.LAYER
         )
     ]
 
@@ -96,7 +96,8 @@ def _floor(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
         first = str(low.index[0])
         message = f"gradient at {first!r} is vanishingly small: {scope}. {_ADVICE}"
         return [finding(Issue.VANISHING, Severity.WARNING, low.loc[first, "step"], first,
-                        message, value=float(low["norm"].min()), threshold=floor)]
+                        message, value=float(low["norm"].min()), threshold=floor,
+                        cause=Cause.LAYER)]
     if recovery is not None:
         message = (
             f"gradient collapses {fmt(1 / collapse.gain)}-fold in the backward of "
@@ -114,7 +115,7 @@ def _floor(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
         )
         named = collapse.layer
     return [finding(Issue.VANISHING, Severity.WARNING, low["step"].min(), named, message,
-                    value=float(low["norm"].min()), threshold=floor)]
+                    value=float(low["norm"].min()), threshold=floor, cause=Cause.LAYER)]
 
 
 _BAND = 100.0

@@ -53,23 +53,30 @@ _TEXT = frozenset({"object", "str", "string"})
 """Dtype names of text columns: pandas versions name the schema's ``object`` columns
 differently, and all three hold the same values."""
 
-_OPTIONAL = frozenset({"pre_norm", "rank", "source"})
+_OPTIONAL = frozenset({"pre_norm", "rank", "source", "cause"})
 """Schema columns a part or a spec may lack: ``pre_norm`` exists only where one acted, and runs
 written before ``rank`` or ``source`` existed lack them (they come from one process, rank 0,
 and knew no source lines)."""
 
 
+_APPENDED_TEXT = ("source", "cause")
+"""Text columns appended to the format after its first release, empty in older files."""
+
+
 def _ranked(frame: pd.DataFrame, schema: Mapping[str, str] | None = None) -> pd.DataFrame:
     """``frame`` with the columns appended to the format since its files were written: ``rank``
-    (0), and ``source`` (empty) where ``schema`` has it (events and findings)."""
+    (0), and ``source`` and ``cause`` (empty) where ``schema`` has them (events have
+    ``source``, findings both)."""
     if "rank" not in frame:
         frame = frame.assign(rank=np.zeros(len(frame), dtype="int64"))
-    if schema is not None and "source" in schema:
-        if "source" not in frame:
-            frame = frame.assign(source=pd.Series([""] * len(frame), dtype=object,
-                                                  index=frame.index))
-        elif frame["source"].isna().any():  # parts written before it, read with newer ones
-            frame = frame.assign(source=frame["source"].fillna(""))
+    for column in _APPENDED_TEXT:
+        if schema is None or column not in schema:
+            continue
+        if column not in frame:
+            frame = frame.assign(**{column: pd.Series([""] * len(frame), dtype=object,
+                                                      index=frame.index)})
+        elif frame[column].isna().any():  # parts written before it, read with newer ones
+            frame = frame.assign(**{column: frame[column].fillna("")})
     return frame
 
 
