@@ -36,7 +36,7 @@ from graddebug.runs.layout import (
     write_json,
     writer_count,
 )
-from graddebug.runs.reader import read_streams
+from graddebug.runs.parts import read_streams
 
 __all__ = ["DEFAULT_FLUSH_EVERY", "FLUSH_SECONDS", "RunWriter", "write_run"]
 
