@@ -17,5 +17,6 @@ sees whole files only. A process killed mid-run (SIGKILL, OOM) leaves ``graddebu
 
 This package stores and reads frames; it never diagnoses and never builds a Report. Modules:
 :mod:`~graddebug.runs.layout` (names, the JSON file), :mod:`~graddebug.runs.arrowio` (exact
-column conversions), :mod:`~graddebug.runs.writer` and :mod:`~graddebug.runs.reader`.
+column conversions), :mod:`~graddebug.runs.writer`, :mod:`~graddebug.runs.parts` (part files
+and their checks) and :mod:`~graddebug.runs.reader` (whole runs).
 """
