@@ -25,7 +25,7 @@ import sys
 import time
 
 from graddebug import Thresholds
-from graddebug.detectors import diagnose
+from graddebug.diagnosis import diagnose
 from graddebug.frames import event_frame, record_frame
 from graddebug.records import Event, EventKind, Record
 
