@@ -45,9 +45,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from overhead_torch import Workload, build_workload, environment, time_steps
 from rich.console import Console
 from rich.table import Table
+from torch_results import environment
+from torch_timing import time_steps
+from torch_workloads import Workload, build_workload
 
 import graddebug
 

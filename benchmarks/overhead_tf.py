@@ -250,6 +250,10 @@ def twin(name: str) -> tuple[keras.Model, keras.Model, np.ndarray, np.ndarray, A
     return plain, watched, x, y, loss
 
 
+_Round = Callable[[bool], tuple[list[float], list[float]]]
+"""Runs one round, the watched side first or not; returns the plain and watched seconds."""
+
+
 def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
           fit_steps: int) -> Result:
     """Measure one configuration: a warm-up round, then ``rounds`` timed ones.
@@ -261,6 +265,9 @@ def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
         rounds: Timed rounds.
         steps: Pairs of steps a round in every loop but ``fit``.
         fit_steps: Batches of each ``fit`` call.
+
+    Returns:
+        Every round's steps, the ratio, its interval and its verdict.
     """
     plain, watched, x, y, loss = twin(workload)
     res = Result(workload, loop, config.key, config.target, rounds=rounds)
@@ -269,56 +276,77 @@ def bench(workload: str, loop: str, config: Config, rounds: int, steps: int,
     bare = floor or bool(config.options.get("null"))  # no graddebug on either side
     options = {**config.options, **({"optimizer": optimizer} if loop == "function_opt" else {})}
     with (contextlib.nullcontext() if bare else graddebug.watch(watched, **options)) as dbg:
-        if loop != "fit":
-            xs, ys = tf.constant(x), tf.constant(y)
-            eager = loop == "eager"
-            plain_step = make_step(plain, loss, keras.optimizers.SGD(1e-4), eager=eager)
-            watched_step = make_step(watched, loss, optimizer, norms=floor, eager=eager)
-            plain_step(xs, ys)
-            grads = watched_step(xs, ys)  # trace both before timing
-            if dbg is not None:
-                dbg.step(grads)
-            hand_over = loop != "function_opt"
-
-            def run(watched_first: bool) -> tuple[list[float], list[float]]:
-                return alternate(
-                    lambda: timed_step(plain_step, xs, ys, None, hand_over),
-                    lambda: timed_step(watched_step, xs, ys, dbg, hand_over),
-                    steps, watched_first)
-        else:
-            data = tf.data.Dataset.from_tensors((x, y)).repeat()
-            for model in (plain, watched):
-                model.compile(optimizer=keras.optimizers.SGD(1e-4), loss=loss)
-            callbacks = [] if dbg is None else [dbg.callback()]
-            plain.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
-            watched.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False,
-                        callbacks=callbacks)
-
-            def run(watched_first: bool) -> tuple[list[float], list[float]]:
-                if watched_first:
-                    watched_times = time_fit_round(watched, data, fit_steps, callbacks)
-                    return time_fit_round(plain, data, fit_steps, []), watched_times
-                plain_times = time_fit_round(plain, data, fit_steps, [])
-                return plain_times, time_fit_round(watched, data, fit_steps, callbacks)
-
+        run = (_fit_rounds(plain, watched, x, y, loss, dbg, fit_steps) if loop == "fit" else
+               _step_rounds(plain, watched, x, y, loss, optimizer, dbg, loop, floor, steps))
         run(False)  # warm-up round
         for r in range(rounds):
-            plain_times, watched_times = run(watched_first=r % 2 == 1)
+            plain_times, watched_times = run(r % 2 == 1)
             res.plain_steps_ms.append([t * 1e3 for t in plain_times])
             res.watched_steps_ms.append([t * 1e3 for t in watched_times])
             res.round_ratios.append(
                 statistics.median(pair_ratios(watched_times, plain_times)) if loop != "fit"
                 else statistics.median(watched_times) / statistics.median(plain_times))
     res.recorded_steps = 0 if dbg is None else int(dbg.frame()["step"].nunique())
+    _summarise(res)
+    return res
+
+
+def _step_rounds(plain: keras.Model, watched: keras.Model, x: np.ndarray, y: np.ndarray,
+                 loss: Any, optimizer: Any, dbg: graddebug.Watcher | None, loop: str,
+                 floor: bool, steps: int) -> _Round:
+    """Trace both sides' steps (the watched one closing its first step), and return a round
+    of ``steps`` pairs of single steps."""
+    xs, ys = tf.constant(x), tf.constant(y)
+    eager = loop == "eager"
+    plain_step = make_step(plain, loss, keras.optimizers.SGD(1e-4), eager=eager)
+    watched_step = make_step(watched, loss, optimizer, norms=floor, eager=eager)
+    plain_step(xs, ys)
+    grads = watched_step(xs, ys)  # trace both before timing
+    if dbg is not None:
+        dbg.step(grads)
+    hand_over = loop != "function_opt"
+
+    def run(watched_first: bool) -> tuple[list[float], list[float]]:
+        return alternate(
+            lambda: timed_step(plain_step, xs, ys, None, hand_over),
+            lambda: timed_step(watched_step, xs, ys, dbg, hand_over),
+            steps, watched_first)
+
+    return run
+
+
+def _fit_rounds(plain: keras.Model, watched: keras.Model, x: np.ndarray, y: np.ndarray,
+                loss: Any, dbg: graddebug.Watcher | None, fit_steps: int) -> _Round:
+    """Compile both sides and fit each two batches, and return a round of one ``fit`` call
+    of ``fit_steps`` batches a side."""
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    for model in (plain, watched):
+        model.compile(optimizer=keras.optimizers.SGD(1e-4), loss=loss)
+    callbacks = [] if dbg is None else [dbg.callback()]
+    plain.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
+    watched.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False,
+                callbacks=callbacks)
+
+    def run(watched_first: bool) -> tuple[list[float], list[float]]:
+        if watched_first:
+            watched_times = time_fit_round(watched, data, fit_steps, callbacks)
+            return time_fit_round(plain, data, fit_steps, []), watched_times
+        plain_times = time_fit_round(plain, data, fit_steps, [])
+        return plain_times, time_fit_round(watched, data, fit_steps, callbacks)
+
+    return run
+
+
+def _summarise(res: Result) -> None:
+    """Fill in ``res``'s step times, ratio, interval and verdict from its rounds."""
     res.plain_ms = statistics.median(statistics.median(t) for t in res.plain_steps_ms)
     res.watched_ms = statistics.median(statistics.median(t) for t in res.watched_steps_ms)
-    estimate = (rounds_estimator(res.round_ratios) if loop == "fit"
+    estimate = (rounds_estimator(res.round_ratios) if res.loop == "fit"
                 else pairs_estimator(res.watched_steps_ms, res.plain_steps_ms))
-    res.ratio = estimate(range(rounds))
-    res.ratio_low, res.ratio_high = bootstrap_interval(estimate, rounds)
+    res.ratio = estimate(range(res.rounds))
+    res.ratio_low, res.ratio_high = bootstrap_interval(estimate, res.rounds)
     res.q1, res.q3 = quartiles(res.round_ratios)
-    res.verdict = verdict(res.ratio_low, res.ratio_high, config.target)
-    return res
+    res.verdict = verdict(res.ratio_low, res.ratio_high, res.target)
 
 
 def results_table(results: Sequence[Result], title: str) -> Table:

@@ -46,11 +46,15 @@ RESULTS = Path(__file__).resolve().parent / "results" / "streaming.json"
 
 
 def overhead(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
-    """Time plain, watched and watched+log_dir steps of each workload."""
-    import torch
-    from overhead_torch import build_workload, train_step
+    """Time plain, watched and watched+log_dir steps of each workload.
 
-    import graddebug
+    Args:
+        args: The command line: ``workloads``, ``rounds`` and ``flush_every``.
+        console: Where to print the rounds and the table.
+
+    Returns:
+        One summary a workload, in ``args.workloads`` order.
+    """
     from graddebug.runs.writer import RunWriter
 
     flush_ms: list[float] = []
@@ -62,60 +66,87 @@ def overhead(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]
         flush_ms.append((time.perf_counter() - started) * 1e3)
 
     RunWriter.flush = timed_flush  # type: ignore[method-assign]
-    out = []
+    try:
+        out = [_overhead_workload(name, args.rounds, args.flush_every, flush_ms, console)
+               for name in args.workloads.split(",")]
+    finally:
+        RunWriter.flush = original  # type: ignore[method-assign]
+    console.print(_overhead_table(out))
+    return out
+
+
+def _overhead_workload(name: str, rounds: int, steps: int, flush_ms: list[float],
+                       console: Console) -> dict[str, Any]:
+    """Rounds of ``steps`` steps of the three copies of one workload; ``flush_ms`` collects
+    the logged watcher's flushes (ms) as they happen."""
+    import torch
+    from torch_workloads import build_workload
+
+    import graddebug
+
+    flush_ms.clear()
     device = torch.device("cpu")
-    steps = args.flush_every
-    for name in args.workloads.split(","):
-        flush_ms.clear()
-        works = {v: build_workload(name, device) for v in ("plain", "watched", "logged")}
-        tmp = tempfile.mkdtemp(prefix="graddebug-bench-")
-        watched = graddebug.watch(works["watched"].model)
-        logged = graddebug.watch(works["logged"].model, log_dir=Path(tmp) / "run",
-                                 flush_every=args.flush_every)
-        ratios: dict[str, list[float]] = {"watched": [], "logged": []}
-        plain_ms: list[float] = []
-        console.print(f"[bold]{name}[/bold]: {works['plain'].description}; rounds of "
-                      f"{steps} steps, the three copies interleaved step by step")
-        with watched, logged:
-            dbgs = {"plain": None, "watched": watched, "logged": logged}
-            order = ["plain", "watched", "logged"]
-            for r in range(-1, args.rounds):
-                times: dict[str, list[float]] = {v: [] for v in order}
-                flushes = len(flush_ms)
-                for i in range(steps):
-                    for variant in order[i % 3:] + order[:i % 3]:
-                        work, dbg = works[variant], dbgs[variant]
-                        started = time.perf_counter()
-                        train_step(work, dbg)
-                        times[variant].append(time.perf_counter() - started)
-                if r < 0:
-                    continue
-                # Medians resist load from elsewhere but hide the one step of the round that
-                # flushed: add the measured flush time back, spread over the round's steps.
-                flush_s = sum(flush_ms[flushes:]) / 1e3
-                median = {v: statistics.median(t) for v, t in times.items()}
-                plain = median["plain"]
-                plain_ms.append(plain * 1e3)
-                ratios["watched"].append(median["watched"] / plain)
-                ratios["logged"].append((median["logged"] + flush_s / steps) / plain)
-                console.print(f"  round {r + 1}/{args.rounds}: plain {plain * 1e3:.2f} ms, "
-                              f"(b) {ratios['watched'][-1]:.3f}, (b)+log_dir "
-                              f"{ratios['logged'][-1]:.3f}, flush {flush_s * 1e3:.1f} ms",
-                              style="dim")
-        added = [b - a for a, b in zip(ratios["watched"], ratios["logged"], strict=True)]
-        out.append({
-            "workload": name,
-            "plain_ms": statistics.median(plain_ms),
-            "ratio_watched": statistics.median(ratios["watched"]),
-            "ratio_logged": statistics.median(ratios["logged"]),
-            "added_by_log_dir": statistics.median(added),
-            "flush_ms_median": statistics.median(flush_ms) if flush_ms else None,
-            "flushes": len(flush_ms),
-            "flush_every": args.flush_every,
-            "rounds": args.rounds,
-            "round_ratios": ratios,
-        })
-    RunWriter.flush = original  # type: ignore[method-assign]
+    works = {v: build_workload(name, device) for v in ("plain", "watched", "logged")}
+    tmp = tempfile.mkdtemp(prefix="graddebug-bench-")
+    watched = graddebug.watch(works["watched"].model)
+    logged = graddebug.watch(works["logged"].model, log_dir=Path(tmp) / "run",
+                             flush_every=steps)
+    ratios: dict[str, list[float]] = {"watched": [], "logged": []}
+    plain_ms: list[float] = []
+    console.print(f"[bold]{name}[/bold]: {works['plain'].description}; rounds of "
+                  f"{steps} steps, the three copies interleaved step by step")
+    with watched, logged:
+        dbgs = {"plain": None, "watched": watched, "logged": logged}
+        for r in range(-1, rounds):
+            flushes = len(flush_ms)
+            times = _interleaved_round(works, dbgs, steps)
+            if r < 0:
+                continue
+            # Medians resist load from elsewhere but hide the one step of the round that
+            # flushed: add the measured flush time back, spread over the round's steps.
+            flush_s = sum(flush_ms[flushes:]) / 1e3
+            median = {v: statistics.median(t) for v, t in times.items()}
+            plain = median["plain"]
+            plain_ms.append(plain * 1e3)
+            ratios["watched"].append(median["watched"] / plain)
+            ratios["logged"].append((median["logged"] + flush_s / steps) / plain)
+            console.print(f"  round {r + 1}/{rounds}: plain {plain * 1e3:.2f} ms, "
+                          f"(b) {ratios['watched'][-1]:.3f}, (b)+log_dir "
+                          f"{ratios['logged'][-1]:.3f}, flush {flush_s * 1e3:.1f} ms",
+                          style="dim")
+    added = [b - a for a, b in zip(ratios["watched"], ratios["logged"], strict=True)]
+    return {
+        "workload": name,
+        "plain_ms": statistics.median(plain_ms),
+        "ratio_watched": statistics.median(ratios["watched"]),
+        "ratio_logged": statistics.median(ratios["logged"]),
+        "added_by_log_dir": statistics.median(added),
+        "flush_ms_median": statistics.median(flush_ms) if flush_ms else None,
+        "flushes": len(flush_ms),
+        "flush_every": steps,
+        "rounds": rounds,
+        "round_ratios": ratios,
+    }
+
+
+def _interleaved_round(works: dict[str, Any], dbgs: dict[str, Any], steps: int
+                       ) -> dict[str, list[float]]:
+    """``steps`` steps of each copy, taking turns step by step, the order rotating; every
+    step's seconds, per copy."""
+    from torch_workloads import train_step
+
+    order = ["plain", "watched", "logged"]
+    times: dict[str, list[float]] = {v: [] for v in order}
+    for i in range(steps):
+        for variant in order[i % 3:] + order[:i % 3]:
+            work, dbg = works[variant], dbgs[variant]
+            started = time.perf_counter()
+            train_step(work, dbg)
+            times[variant].append(time.perf_counter() - started)
+    return times
+
+
+def _overhead_table(out: list[dict[str, Any]]) -> Table:
     table = Table(title="config (b) with and without log_dir: step time over plain "
                         "(median of rounds)", title_justify="left")
     for col in ("workload", "plain ms/step", "(b)", "(b) + log_dir", "added", "ms per flush"):
@@ -124,8 +155,7 @@ def overhead(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]
         table.add_row(row["workload"], f"{row['plain_ms']:.2f}", f"{row['ratio_watched']:.3f}",
                       f"{row['ratio_logged']:.3f}", f"{row['added_by_log_dir'] * 100:+.2f}%",
                       f"{row['flush_ms_median']:.1f}" if row["flush_ms_median"] else "-")
-    console.print(table)
-    return out
+    return table
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -204,7 +234,7 @@ def build_run(path: Path, steps: int, layers: int) -> None:
     import math
 
     from graddebug import Thresholds
-    from graddebug.detectors import diagnose
+    from graddebug.diagnosis import diagnose
     from graddebug.records import Record
     from graddebug.runs.writer import RunWriter
 

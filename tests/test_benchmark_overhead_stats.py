@@ -1,21 +1,33 @@
-"""The method of ``benchmarks/overhead_torch.py``: the twins' pairs of single steps (its
-statistics are tested in ``test_benchmark_ratios.py``)."""
+"""The method of ``benchmarks/overhead_torch.py`` and its modules (``torch_workloads``,
+``torch_configs``, ``torch_timing``): the twins' pairs of single steps, the floor (g), the
+compiled twins and the command line (its statistics are tested in ``test_benchmark_ratios.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmark_scripts import loaded
+from benchmark_scripts import imported, loaded
 
 pytest.importorskip("torch")
 
+
 @pytest.fixture(scope="module")
-def bench():
-    with loaded("overhead_torch") as module:
-        yield module
+def workloads():
+    return imported("torch_workloads")
 
 
-def test_time_pairs_alternates_single_steps_and_the_plain_twin_never_carries_a_hook(bench):
+@pytest.fixture(scope="module")
+def configs():
+    return imported("torch_configs")
+
+
+@pytest.fixture(scope="module")
+def timing():
+    return imported("torch_timing")
+
+
+def test_time_pairs_alternates_single_steps_and_the_plain_twin_never_carries_a_hook(
+        workloads, timing):
     import torch
     from torch import nn
 
@@ -37,17 +49,17 @@ def test_time_pairs_alternates_single_steps_and_the_plain_twin_never_carries_a_h
 
     torch.manual_seed(0)
     plain_model = nn.Sequential(Probe("plain"), nn.ReLU(), nn.Linear(4, 2))
-    work = bench.Workload("tiny", "", plain_model,
-                          torch.optim.SGD(plain_model.parameters(), lr=1e-4),
-                          torch.randn(8, 4), torch.randn(8, 2), nn.functional.mse_loss)
-    other = bench.twin(work)
+    work = workloads.Workload("tiny", "", plain_model,
+                              torch.optim.SGD(plain_model.parameters(), lr=1e-4),
+                              torch.randn(8, 4), torch.randn(8, 2), nn.functional.mse_loss)
+    other = workloads.twin(work)
     other.model[0].tag = "watched"
     model_of = {"plain": plain_model, "watched": other.model}
     assert all(torch.equal(a, b) for a, b in zip(plain_model.parameters(),
                                                   other.model.parameters(), strict=True))
     watcher = graddebug.watch(other.model)
-    plain, watched, enter_exit = bench.time_pairs(work, other, 4, watcher,
-                                                  torch.device("cpu"), watched_first=True)
+    plain, watched, enter_exit = timing.time_pairs(work, other, 4, watcher,
+                                                   torch.device("cpu"), watched_first=True)
     assert [tag for tag, _ in log] == ["watched", "plain", "plain", "watched",
                                        "watched", "plain", "plain", "watched"]
     assert all(hooks == 0 for tag, hooks in log if tag == "plain")
@@ -56,7 +68,7 @@ def test_time_pairs_alternates_single_steps_and_the_plain_twin_never_carries_a_h
     assert sorted(set(watcher.frame()["step"])) == [0, 1, 2, 3]
 
 
-def test_the_outputs_floor_measures_what_b_records_of_outputs_and_leaves_no_hook(bench):
+def test_the_outputs_floor_measures_what_b_records_of_outputs_and_leaves_no_hook(configs):
     import torch
     from torch import nn
 
@@ -72,7 +84,7 @@ def test_the_outputs_floor_measures_what_b_records_of_outputs_and_leaves_no_hook
     g_h2, g_r1, g_h1 = torch.autograd.grad(loss, [h2, r1, h1], retain_graph=True)
     param_grads = torch.autograd.grad(loss, list(model.parameters()))
 
-    floor = bench._watcher(model, next(c for c in bench.CONFIGS if c.key == "g"))
+    floor = configs.make_watcher(model, next(c for c in configs.CONFIGS if c.key == "g"))
     with floor:
         model(x).square().sum().backward()
         values = floor.step()
@@ -90,7 +102,8 @@ def test_the_outputs_floor_measures_what_b_records_of_outputs_and_leaves_no_hook
     assert all(not m._forward_hooks for m in model.modules())
 
 
-def test_compiled_configs_each_time_a_twin_that_records_what_they_ask(bench, monkeypatch):
+def test_compiled_configs_each_time_a_twin_that_records_what_they_ask(
+        workloads, configs, timing, monkeypatch):
     """Under --compile a config without graddebug (n) makes dynamo compile the watched twin
     again without hooks; that graph must not serve (b)'s later rounds."""
     import io
@@ -104,17 +117,35 @@ def test_compiled_configs_each_time_a_twin_that_records_what_they_ask(bench, mon
         return model, torch.randn(4, 6), torch.randn(4, 2), nn.functional.mse_loss, "tiny"
 
     real_compile = torch.compile
-    monkeypatch.setitem(bench._BUILDERS, "tiny", tiny)
+    monkeypatch.setitem(workloads.BUILDERS, "tiny", tiny)
     monkeypatch.setattr(torch, "compile", lambda model, **options: real_compile(
         model, **{"backend": "aot_eager", **options}))
     torch._dynamo.reset()
-    configs = [c for c in bench.CONFIGS if c.key in ("b", "n")]
-    results = bench.benchmark_workload("tiny", configs, rounds=2, steps=2, warmup=1,
-                                       device=torch.device("cpu"),
-                                       console=Console(file=io.StringIO()), compiled=True)
+    chosen = [c for c in configs.CONFIGS if c.key in ("b", "n")]
+    results = timing.benchmark_workload("tiny", chosen, rounds=2, steps=2, warmup=1,
+                                        device=torch.device("cpu"),
+                                        console=Console(file=io.StringIO()), compiled=True)
     torch._dynamo.reset()
     model = tiny()[0]
     outputs, params = len(model), len(list(model.parameters()))
     by_key = {r.config: r for r in results}
     assert by_key["b"].rows_per_step == outputs + params  # every round, not the first alone
     assert by_key["n"].rows_per_step == 0
+
+
+def test_the_command_line_keeps_its_defaults_and_refuses_what_it_cannot_measure(capsys):
+    with loaded("overhead_torch") as bench:
+        args = bench.parse_args([])
+        assert args.workload_names == ["mlp", "cnn", "transformer"]
+        assert [c.key for c in args.config_list] == ["a", "b"]
+        assert args.json == bench.DEFAULT_JSON
+        args = bench.parse_args(["--configs", "n,g,a", "--compile"])
+        assert [c.key for c in args.config_list] == ["a", "g", "n"]  # in the table's order
+        assert args.json == bench.COMPILED_JSON
+        assert bench.parse_args(["--profile"]).workload_names == ["mlp"]
+        for argv in (["--configs", "a,x"], ["--configs", "c", "--steps-per-round", "5"],
+                     ["--workloads", "mlp,cnn", "--profile"], ["--workloads", "vgg"],
+                     ["--compile", "--warmup", "0"], ["--rounds", "0"]):
+            with pytest.raises(SystemExit):
+                bench.parse_args(argv)
+    assert "choose from a,b,c,o,d,f,g,n" in capsys.readouterr().err
