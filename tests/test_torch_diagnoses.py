@@ -81,6 +81,79 @@ def test_relu_mlp_with_weights_times_five_explodes() -> None:
     assert "0" in set(found[found["issue"] == "exploding"]["layer"])
 
 
+def train_cnn_with_input_fault(fault_step: int, steps: int = 8, every: int = 1,
+                               fault: str = "inf_pixel") -> graddebug.Watcher:
+    """A BN CNN trained with SGD on random images; from ``fault_step`` on, one pixel of the
+    batch is Inf (a bad sample), or the model itself makes a NaN (``fault="model"``)."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with graddebug.watch(model, every=every) as dbg:
+        for step in range(steps):
+            x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+            if step == fault_step and fault == "inf_pixel":
+                x[1, 0, 2, 3] = float("inf")
+            out = model(x)
+            if step == fault_step and fault == "model":
+                out = out * torch.log(-out.abs() - 1)  # the model's own code makes a NaN
+            opt.zero_grad()
+            nn.functional.cross_entropy(out, y).backward()
+            dbg.step()
+            if step == fault_step:
+                break  # the NaN update would poison every later step
+    return dbg
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_an_inf_pixel_mid_run_is_blamed_on_the_data(every: int) -> None:
+    dbg = train_cnn_with_input_fault(fault_step=4, every=every)
+    found = dbg.findings()
+    assert list(found["issue"]) == ["nonfinite"]
+    row = found.iloc[0]
+    assert (row["step"], row["cause"], row["layer"]) == (4, "data", "conv1")
+    assert "model's input held NaN/Inf at step 4: args.0 (Inf)" in row["message"]
+    events = dbg.events()
+    inputs = events[events["event"] == "input_nonfinite"]
+    assert list(inputs["step"]) == [4] and list(inputs["layer"]) == ["input"]
+
+
+def test_a_nan_the_model_makes_from_a_finite_batch_is_numerics() -> None:
+    dbg = train_cnn_with_input_fault(fault_step=4, fault="model")
+    found = dbg.findings()
+    assert list(found["issue"]) == ["nonfinite"]
+    assert found["cause"].item() == "numerics"
+    assert "input_nonfinite" not in set(dbg.events()["event"])
+
+
+class MaskedHead(nn.Module):
+    """Takes an additive mask holding -inf by design, as attention code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.log = Log()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, broken: bool = False) -> torch.Tensor:
+        scores = (self.fc(x) + mask).softmax(-1)
+        return self.log(scores - 1.0) if broken else scores
+
+
+def test_a_mask_input_that_is_always_infinite_is_not_bad_data() -> None:
+    torch.manual_seed(0)
+    model = MaskedHead()
+    mask = torch.zeros(4, 8)
+    mask[:, -1] = float("-inf")
+    with graddebug.watch(model) as dbg:
+        for step in range(4):
+            out = model(torch.randn(4, 8), mask, broken=step == 3)
+            model.zero_grad()
+            (out * torch.randn(4, 8)).sum().backward()
+            dbg.step()
+    found = dbg.findings()
+    assert list(found["issue"]) == ["nonfinite"]
+    assert (found["step"].item(), found["cause"].item()) == (3, "numerics")
+
+
 class LogAt(nn.Module):
     """Applies log in the middle of a Linear stack: NaN is born at layer k."""
 

@@ -166,6 +166,9 @@ class EventKind(str, Enum):
     """A layer's output required a gradient in forward, but no gradient reached it."""
     FORWARD_NONFINITE = "forward_nonfinite"
     """A layer's output held NaN or Inf in the forward pass."""
+    INPUT_NONFINITE = "input_nonfinite"
+    """The watched model's input held NaN or Inf (``layer`` is ``"input"``, ``tensor`` names the
+    argument: ``"args.0"``, ``"kwargs.pixel_values"``): the data, not the model."""
     SKIPPED_STEP = "skipped_step"
     """A loss scaler (``torch.amp.GradScaler``, Keras ``LossScaleOptimizer``) found Inf or NaN
     in the scaled gradients and skipped the optimizer step. ``detail`` is

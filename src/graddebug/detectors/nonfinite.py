@@ -49,6 +49,7 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
         pinned = _op_origin(int(step), origin, op_events, bad_rows, forward, records)
         found = pinned if pinned is not None else origin
         if found is not None:
+            found = _from_data(found, int(step), events, records)
             later = len(steps) - 1
             if later:
                 found = found._replace(
@@ -56,6 +57,38 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
                 )
             return [found]
     return []
+
+
+_INPUT = EventKind.INPUT_NONFINITE.value
+
+
+def _from_data(found: Finding, step: int, events: pd.DataFrame,
+               records: pd.DataFrame) -> Finding:
+    """``found``, told that the data brought the NaN/Inf where the model's input held one at
+    ``step``.
+
+    An input that was non-finite at every step recorded since the first (an additive
+    attention mask of ``-inf``) is the model's by design, not a bad batch, and does not
+    count.
+    """
+    inputs = events[events["event"] == _INPUT]
+    now = inputs[inputs["step"] == step]
+    if now.empty:
+        return found
+    recorded = {int(s) for s in records["step"]} | {step}
+    so_far = len([s for s in recorded if s <= step])
+    if so_far > 1:
+        always = {t for t, rows in inputs[inputs["step"] <= step].groupby("tensor")
+                  if rows["step"].nunique() == so_far}
+        now = now[~now["tensor"].isin(always)]
+        if now.empty:
+            return found
+    held = ", ".join(f"{t} ({d})" for t, d in zip(now["tensor"], now["detail"], strict=True))
+    return found._replace(cause=Cause.DATA.value, message=(
+        f"the model's input held NaN/Inf at step {step}: {held}. The data, not the model, "
+        f"brought it; {found.layer!r} is the first layer it reached. Check the batch (a "
+        "corrupt sample, a division or log in preprocessing, a missing value), or skip "
+        "batches that fail torch.isfinite(x).all() / tf.reduce_all(tf.math.is_finite(x))."))
 
 
 def _layer_origin(step: int, bad_rows: pd.DataFrame, forward: pd.DataFrame,

@@ -171,7 +171,15 @@ class TorchAdapter(BaseAdapter):
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
                     functools.partial(self._watch.on_param_grad, index)))
         # Only graddebug's per-output objects (and op capture's) are worth pausing it for.
-        makes_objects = self._ops.enabled or any(self._layers[n].capture for n in self._modules)
+        outputs = any(self._layers[n].capture for n in self._modules)
+        makes_objects = self._ops.enabled or outputs
+        # The input check goes with the forward checks of layer outputs: outputs=False asks
+        # for no forward work at all once the depths are known.
+        if outputs and self._model is not None and self._root is not None and not runs_compiled:
+            inputs = self._root.register_forward_pre_hook(self._watch.on_model_input,
+                                                          with_kwargs=True)
+            self._handles.append(inputs)
+            parking.add(self._root, [inputs])
         if self._root is not None and makes_objects and not runs_compiled:
             collector = [self._root.register_forward_pre_hook(self._watch.forward_begins),
                          self._root.register_forward_hook(self._watch.forward_ends,

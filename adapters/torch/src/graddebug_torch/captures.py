@@ -242,6 +242,8 @@ class StepCaptures:
     """
 
     forward: ForwardChecks
+    inputs: ForwardChecks
+    """The finiteness checks of the watched model's floating inputs."""
     captures: dict[Key, Capture] = field(default_factory=dict)
     """The first call's capture of each output; :meth:`calls` has them all."""
     repeats: dict[Key, list[Capture]] = field(default_factory=dict)

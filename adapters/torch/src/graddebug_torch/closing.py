@@ -111,7 +111,9 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
         return StepResult(events=list(state.events))
     activations = _Activations(state, staging, depths)
     parameters = _Parameters(params, present, full, sharded, on_bug or _ignore)
-    sources: tuple[_Source, ...] = (activations, parameters, _ForwardReads(state.forward))
+    sources: tuple[_Source, ...] = (
+        activations, parameters, _ForwardReads(state.forward, EventKind.FORWARD_NONFINITE),
+        _ForwardReads(state.inputs, EventKind.INPUT_NONFINITE))
     batch = _HostBatch()
     for source in sources:
         source.queue(batch)
@@ -362,15 +364,17 @@ class _Parameters:
 
 
 class _ForwardReads:
-    """The forward finiteness checks: one ``forward_nonfinite`` event per output that held a
-    NaN or an Inf in the forward pass.
+    """The forward finiteness checks: one event per output (``forward_nonfinite``) or model
+    input (``input_nonfinite``) that held a NaN or an Inf in the forward pass.
 
     Args:
         checks: The step's checks.
+        kind: The event a non-finite check gives.
     """
 
-    def __init__(self, checks: ForwardChecks) -> None:
+    def __init__(self, checks: ForwardChecks, kind: EventKind) -> None:
         self._checks = checks
+        self._kind = kind.value
         self._slot = _NO_SLOT
 
     def queue(self, batch: _HostBatch) -> None:
@@ -383,8 +387,7 @@ class _ForwardReads:
         checks = self._checks
         for key, depth, value in zip(checks.keys, checks.depths, batch[self._slot], strict=True):
             if not math.isfinite(value):
-                result.events.append(Event(step, key[0], key[1], depth,
-                                           EventKind.FORWARD_NONFINITE.value,
+                result.events.append(Event(step, key[0], key[1], depth, self._kind,
                                            "NaN" if math.isnan(value) else "Inf"))
 
 

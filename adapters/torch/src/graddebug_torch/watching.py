@@ -85,7 +85,7 @@ class OutputWatch:
         self._sums = DotSums()
         self._pause = CollectorPause()
         self._forward_staging = SmallGrads()  # outputs, for the forward check
-        self.state = StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums))
+        self.state = self._new_step()
         self.grad_hooks: dict[Key, GradHook] = {}
         self.flows = ValueFlows()
         self.compiled_ran = False
@@ -100,11 +100,15 @@ class OutputWatch:
 
     # -- the step ----------------------------------------------------------------------------
 
+    def _new_step(self) -> StepCaptures:
+        return StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums),
+                            inputs=ForwardChecks(self._forward_staging, self._sums))
+
     def drop_step(self) -> None:
         """Forget the open step: its tensor hooks removed, its captures and staging dropped."""
         self._pause.resume()
         self.state.hooks.remove()
-        self.state = StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums))
+        self.state = self._new_step()
         self.staging.clear()
         self._forward_staging.clear()
 
@@ -122,6 +126,19 @@ class OutputWatch:
             return
         self._pause.resume()  # a backward pass that raised before its end left it paused
         self._pause.pause()
+
+    def on_model_input(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """The watched model's forward starts: check its floating inputs for NaN/Inf on
+        recorded steps (one reduction each, read at the step's sync), so that a NaN the data
+        brought is told from one the model made."""
+        if torch.compiler.is_compiling() or not (self.context.recording
+                                                 and torch.is_grad_enabled()):
+            return
+        with self._fail_open("model input"):
+            checks = self.state.inputs
+            for name, tensor in (*flatten(args, "args"), *flatten(kwargs, "kwargs")):
+                if tensor.is_floating_point():
+                    checks.check(("input", name), -1, tensor)
 
     def forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root module's forward returned or raised: resume the collector."""
