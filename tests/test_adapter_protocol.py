@@ -79,6 +79,15 @@ def batch(seed: int = 1) -> tuple[Any, np.ndarray]:
     return tg.Var(rng.normal(size=(8, 3))), rng.normal(size=(8, 2))
 
 
+def train_steps(dbg: graddebug.Watcher, model: Any, x: Any, y: np.ndarray, steps: int) -> None:
+    """``steps`` backward passes of the MSE loss on one batch, each closed by ``dbg.step()``."""
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = None
+        tg.mse(model(x), y).backward()
+        dbg.step()
+
+
 def by_hand(model: Any, x: np.ndarray, y: np.ndarray, clip_a1: float | None = None
             ) -> dict[str, np.ndarray]:
     """Every gradient of ``mse(Linear -> tanh -> Linear)``, written out: for h = a @ W + b,
@@ -161,11 +170,7 @@ def test_frame_follows_the_contract() -> None:
     model = small_model()
     x, y = batch()
     with watch(model) as dbg:
-        for _ in range(3):
-            for p in model.parameters():
-                p.grad = None
-            tg.mse(model(x), y).backward()
-            dbg.step()
+        train_steps(dbg, model, x, y, 3)
     frame = dbg.frame()
     assert list(frame.columns) == CONTRACT  # no pre_norm: no intervention acted
     assert frame["step"].dtype == np.int64 and frame["depth"].dtype == np.int64
@@ -187,11 +192,7 @@ def test_full_tier_on_step_zero_sentinel_only_after() -> None:
     model = small_model()
     x, y = batch()
     with watch(model) as dbg:
-        for _ in range(2):
-            for p in model.parameters():
-                p.grad = None
-            tg.mse(model(x), y).backward()
-            dbg.step()
+        train_steps(dbg, model, x, y, 2)
     acts = dbg.frame().query("kind == 'activation'")
     first, second = acts[acts["step"] == 0], acts[acts["step"] == 1]
     assert first["absmax"].notna().all() and first["zero_frac"].notna().all()
@@ -301,11 +302,7 @@ def test_interventions_act_on_the_steps_every_skips() -> None:
     free = by_hand(model, x.value, y)
     c = 0.5 * float(np.linalg.norm(free["1"]))
     with watch(model, every=2, intervene={"1": {"clip_norm": c}}) as dbg:
-        for _ in range(2):
-            for p in model.parameters():
-                p.grad = None
-            tg.mse(model(x), y).backward()
-            dbg.step()
+        train_steps(dbg, model, x, y, 2)
         assert dbg.step_index == 2
         np.testing.assert_allclose(model.layers[0].weight.grad,
                                    by_hand(model, x.value, y, clip_a1=c)["0.weight"], rtol=1e-12)
