@@ -65,6 +65,11 @@ class Steps:
         self._tiers_sink: CompiledTiers | None = None
         self._closed = StepState.OPEN  # who closed the last step; OPEN before the first
 
+    @property
+    def adapter(self) -> Adapter | None:
+        """The adapter steps are closed with; None until one is built."""
+        return self._adapter
+
     def serve(self, adapter: Adapter) -> None:
         """Close steps with ``adapter`` from now on."""
         self._adapter = adapter

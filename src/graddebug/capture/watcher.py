@@ -104,7 +104,6 @@ class Watcher(RunResults):
                         if options.escalate and not options.ops else None),
             ops=options.ops, strict=options.strict)
         self._steps = Steps(self._hooks, buffer, self._pm, self, options.optimizer)
-        self._adapter: Adapter | None = None
         self._started = ""
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -128,8 +127,8 @@ class Watcher(RunResults):
             self._buffer.start()
         except BaseException:
             hooks.active = False
-            if self._adapter is not None:
-                self._adapter.detach()
+            if self.adapter is not None:
+                self.adapter.detach()
             raise
         return self
 
@@ -139,7 +138,7 @@ class Watcher(RunResults):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        adapter = self._adapter
+        adapter = self.adapter
         try:
             # Warnings about gaps would only bury the exception that ends the block.
             with self._hooks.quiet(exc_type is not None):
@@ -158,7 +157,7 @@ class Watcher(RunResults):
     def _attach(self, target: object) -> Adapter:
         factory = find_adapter(self._pm, target)
         options = self._options
-        adapter = self._adapter = factory(self._hooks, self._model, options.params, options)
+        adapter = factory(self._hooks, self._model, options.params, options)
         self._steps.serve(adapter)
         adapter.attach()
         return adapter
@@ -167,7 +166,7 @@ class Watcher(RunResults):
         wanted = self._options.named
         if not wanted:
             return
-        adapter = self._adapter
+        adapter = self.adapter
         matched = adapter.matched_names() if adapter is not None else set()
         known = adapter.known_names() if adapter is not None else []
         unmatched = sorted(wanted - matched)
@@ -214,7 +213,7 @@ class Watcher(RunResults):
 
         Its protocol is :class:`graddebug.adapter.Adapter`; its hooks and buffers are private.
         """
-        return self._adapter
+        return self._steps.adapter
 
     @property
     def distribution(self) -> Distribution:
@@ -276,7 +275,7 @@ class Watcher(RunResults):
         log = self._buffer.log
         if log is not None:
             settings.update(log_dir=str(log.path), flush_every=log.flush_every)
-        return run_metadata(adapter=self._adapter.name if self._adapter is not None else None,
+        return run_metadata(adapter=self.adapter.name if self.adapter is not None else None,
                             model=self._model, options=self._options, settings=settings,
                             started=self._started, distribution=self._buffer.distribution)
 
@@ -320,7 +319,7 @@ class Watcher(RunResults):
             raise ConfigError(f"tap name {name!r} must be a non-empty string.")
         given = Intervention(clip_value=clip_value, clip_norm=clip_norm, mask=mask, scale=scale)
         intervention = given if given.active else self._options.intervene.get(name)
-        adapter = self._adapter if self._adapter is not None else self._attach(tensor)
+        adapter = self.adapter if self.adapter is not None else self._attach(tensor)
         return adapter.tap(tensor, name, intervention)
 
     def callback(self, **options: Any) -> Any:
@@ -335,7 +334,7 @@ class Watcher(RunResults):
             WatcherStateError: Called outside the ``with`` block, or without a model.
             ConfigError: The framework has no such callback.
         """
-        return training(self._adapter if self.active else None, "callback").callback(**options)
+        return training(self.adapter if self.active else None, "callback").callback(**options)
 
     def fetches(self, grads: Any = None) -> Any:
         """What to fetch in a ``tf.compat.v1`` session's ``run`` for the step to be recorded.
@@ -357,7 +356,7 @@ class Watcher(RunResults):
                 ``params=`` chose an adapter.
             ConfigError: The Watcher watches no ``tf.compat.v1`` graph.
         """
-        return session_graphs(self._adapter if self.active else None, "fetches").fetches(grads)
+        return session_graphs(self.adapter if self.active else None, "fetches").fetches(grads)
 
     def session_hook(self, grads: Any = None) -> Any:
         """A ``tf.compat.v1.train.SessionRunHook`` for ``MonitoredTrainingSession(hooks=[...])``
@@ -371,7 +370,7 @@ class Watcher(RunResults):
                 ``params=`` chose an adapter.
             ConfigError: The Watcher watches no ``tf.compat.v1`` graph.
         """
-        adapter = self._adapter if self.active else None
+        adapter = self.adapter if self.active else None
         return session_graphs(adapter, "session_hook").session_hook(grads)
 
     def train_step(
@@ -386,7 +385,7 @@ class Watcher(RunResults):
             WatcherStateError: Called outside the ``with`` block, or without a model.
             ConfigError: The adapter runs no training steps.
         """
-        trainer = training(self._adapter if self.active else None, "train_step")
+        trainer = training(self.adapter if self.active else None, "train_step")
         before = self.step_index
         grads = trainer.train_step(inputs, loss_args, loss_fn, optimizer)
         if self.step_index == before:
@@ -394,7 +393,7 @@ class Watcher(RunResults):
 
     def __repr__(self) -> str:
         state = "active" if self.active else "inactive"
-        adapter = self._adapter.name if self._adapter is not None else "none"
+        adapter = self.adapter.name if self.adapter is not None else "none"
         return (f"<Watcher {state} adapter={adapter} step={self.step_index} "
                 f"records={self._buffer.rows}>")
 
