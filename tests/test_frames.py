@@ -27,7 +27,8 @@ def test_pre_norm_column_only_where_an_intervention_acted() -> None:
     clipped = make_record(0, "b", 1, 1.0)._replace(pre_norm=5.0)
     assert "pre_norm" not in record_frame([plain]).columns
     frame = record_frame([plain, clipped])
-    assert list(frame.columns)[-2:] == ["pre_norm", "rank"]  # rank stays last
+    # pre_norm comes before rank; the columns appended after rank stay after it
+    assert list(frame.columns)[-4:] == ["pre_norm", "rank", "weight_norm", "update_norm"]
     assert math.isnan(frame["pre_norm"][0])
     assert frame["pre_norm"][1] == 5.0
 

@@ -113,7 +113,7 @@ def test_frame_columns_follow_the_contract() -> None:
         dbg.step()
     assert list(dbg.frame().columns) == [
         "step", "layer", "tensor", "kind", "depth", "shape", "numel", "norm", "mean", "std",
-        "absmax", "zero_frac", "nan", "inf", "rank"]
+        "absmax", "zero_frac", "nan", "inf", "rank", "weight_norm", "update_norm"]
     assert list(dbg.findings().columns) == [
         "step", "layer", "tensor", "issue", "severity", "value", "threshold", "message", "rank",
         "source", "cause"]

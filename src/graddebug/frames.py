@@ -93,6 +93,7 @@ def finding_frame(findings: Sequence[Finding]) -> pd.DataFrame:
 
 
 _KEYS = ["step", "layer", "tensor", "kind"]
+_ONE_PER_RUN = (Kind.PARAMETER.value, Kind.LOSS.value)
 
 
 def combine_ranks(records: pd.DataFrame) -> pd.DataFrame:
@@ -121,8 +122,9 @@ def combine_ranks(records: pd.DataFrame) -> pd.DataFrame:
     """
     if records.empty or records["rank"].nunique() <= 1:
         return records
-    # Op rows, like activation rows, hold each rank's own slice of the batch.
-    is_act = (records["kind"] != Kind.PARAMETER.value).to_numpy()
+    # Op rows, like activation rows, hold each rank's own slice of the batch. Loss rows are
+    # kept as parameter rows are: one, the lowest rank's.
+    is_act = ~records["kind"].isin(_ONE_PER_RUN).to_numpy()
     act, par = records[is_act], records[~is_act]
     par = (par.sort_values("rank", kind="stable")
            .drop_duplicates(_KEYS).assign(rank=ALL_RANKS))
@@ -156,7 +158,8 @@ def _pool_slices(act: pd.DataFrame) -> pd.DataFrame:
     agg = {"depth": ("depth", "min"), "shape": ("shape", "first"), "numel": ("numel", "sum"),
            "_sq": ("_sq", "sum"), "_sum": ("_sum", "sum"), "absmax": ("absmax", "max"),
            "zero_frac": ("zero_frac", "min"), "nan": ("nan", "any"), "inf": ("inf", "any"),
-           "_birth": ("_birth", "min")}
+           "_birth": ("_birth", "min"), "weight_norm": ("weight_norm", "first"),
+           "update_norm": ("update_norm", "first")}
     if "_pre" in parts:
         agg["_pre"] = ("_pre", "sum")
     out = grouped.agg(**agg).reset_index()
@@ -176,7 +179,8 @@ def _pool_slices(act: pd.DataFrame) -> pd.DataFrame:
 
 
 def summary_frame(records: pd.DataFrame, findings: pd.DataFrame) -> pd.DataFrame:
-    """Aggregate the record frame over steps: one row per (layer, tensor), in depth order.
+    """Aggregate the record frame over steps: one row per (layer, tensor) of a gradient (the
+    loss rows are left out), in depth order.
 
     The rows of a multi-rank run are combined first (:func:`combine_ranks`): the summary is
     the global view.
@@ -189,6 +193,7 @@ def summary_frame(records: pd.DataFrame, findings: pd.DataFrame) -> pd.DataFrame
         A frame with :data:`SUMMARY_COLUMNS`; ``issues`` lists the distinct findings of the
         layer, comma-separated.
     """
+    records = records[records["kind"] != Kind.LOSS.value] if "kind" in records else records
     if records.empty:
         return pd.DataFrame({c: pd.Series(dtype="object") for c in SUMMARY_COLUMNS})
     records = combine_ranks(records)

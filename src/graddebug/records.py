@@ -44,6 +44,11 @@ class Kind(str, Enum):
     OP = "op"
     """The gradient at the output of one operation inside a forward pass (``ops=True``): its
     ``layer`` is the module it ran in, its ``tensor`` names the op site (``op@file:line``)."""
+    LOSS = "loss"
+    """The step's loss, where graddebug sees it (``dbg.step(loss=...)``, the training
+    callbacks): ``layer`` and ``tensor`` are ``"loss"``, ``mean`` holds the value, ``norm`` its
+    absolute value, ``numel`` is 1 and ``depth`` -1. Not a gradient: the gradient rules leave
+    it out."""
 
 
 class Record(NamedTuple):
@@ -72,6 +77,13 @@ class Record(NamedTuple):
         rank: The process (``torch.distributed`` rank) or replica (``tf.distribute``) that
             recorded the row; 0 in one process. Rows that combine every rank carry
             :data:`ALL_RANKS`.
+        weight_norm: Parameter rows: the L2 norm of the parameter itself at the step, before
+            the optimizer's update (the weights its gradient was computed at); NaN elsewhere
+            and where not known.
+        update_norm: Parameter rows: the L2 norm of the update the optimizer applied at the
+            step, ``||w_after - w_before||``, so that ``update_norm / weight_norm`` is its
+            update/weight ratio; NaN elsewhere and where not known (no optimizer step seen).
+            Adapters may estimate both from a fixed sample of each tensor's entries.
     """
 
     step: int
@@ -90,6 +102,8 @@ class Record(NamedTuple):
     inf: bool
     pre_norm: float = float("nan")
     rank: int = 0
+    weight_norm: float = float("nan")
+    update_norm: float = float("nan")
 
     @classmethod
     def from_sums(
@@ -110,6 +124,8 @@ class Record(NamedTuple):
         inf: bool,
         pre_norm: float = float("nan"),
         rank: int = 0,
+        weight_norm: float = float("nan"),
+        update_norm: float = float("nan"),
     ) -> Record:
         """Build a record from the sums adapters accumulate: the mean is ``total / numel`` and
         the population std follows from the norm and the mean, with no extra pass.
@@ -121,12 +137,13 @@ class Record(NamedTuple):
             (the others as in the class attributes)
         """
         return sums_record(step, layer, tensor, kind, depth, shape, numel, norm, total, absmax,
-                           zero_frac, nan, inf, pre_norm, rank)
+                           zero_frac, nan, inf, pre_norm, rank, weight_norm, update_norm)
 
 
 def sums_record(step: int, layer: str, tensor: str, kind: str, depth: int, shape: str,
                 numel: int, norm: float, total: float, absmax: float, zero_frac: float,
-                nan: bool, inf: bool, pre_norm: float = math.nan, rank: int = 0) -> Record:
+                nan: bool, inf: bool, pre_norm: float = math.nan, rank: int = 0,
+                weight_norm: float = math.nan, update_norm: float = math.nan) -> Record:
     """:meth:`Record.from_sums` with positional arguments, for adapters that close tens of
     thousands of rows a step (a keyword call costs about as much as the arithmetic)."""
     mean = total / numel if numel else math.nan
@@ -135,13 +152,14 @@ def sums_record(step: int, layer: str, tensor: str, kind: str, depth: int, shape
     std = math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.nan
     # tuple.__new__ skips the generated keyword-checking __new__: 3x faster.
     return tuple.__new__(Record, (step, layer, tensor, kind, depth, shape, numel, norm, mean,
-                                  std, absmax, zero_frac, nan, inf and not nan, pre_norm, rank))
+                                  std, absmax, zero_frac, nan, inf and not nan, pre_norm, rank,
+                                  weight_norm, update_norm))
 
 
 ALL_RANKS = -1
 """The ``rank`` of a row or finding that combines every rank of a multi-rank run."""
 
-RECORD_COLUMNS: tuple[str, ...] = (*Record._fields[:-2], "rank")
+RECORD_COLUMNS: tuple[str, ...] = (*Record._fields[:-4], "rank", "weight_norm", "update_norm")
 """The frame's columns in contract order; ``pre_norm`` comes before ``rank`` only where an
 intervention acted."""
 
@@ -150,7 +168,8 @@ _OBJ, _I64, _F64, _BOOL = "object", "int64", "float64", "bool"
 RECORD_DTYPES: dict[str, str] = {
     "step": _I64, "layer": _OBJ, "tensor": _OBJ, "kind": _OBJ, "depth": _I64, "shape": _OBJ,
     "numel": _I64, "norm": _F64, "mean": _F64, "std": _F64, "absmax": _F64, "zero_frac": _F64,
-    "nan": _BOOL, "inf": _BOOL, "pre_norm": _F64, "rank": _I64,
+    "nan": _BOOL, "inf": _BOOL, "pre_norm": _F64, "rank": _I64, "weight_norm": _F64,
+    "update_norm": _F64,
 }
 """The pandas dtype of every :class:`Record` field, ``pre_norm`` included."""
 
@@ -223,6 +242,13 @@ class Issue(str, Enum):
     DEAD = "dead"
     OVERFLOW = "overflow"
     """A loss scaler skipped steps because the scaled gradients overflowed."""
+    STALLED = "stalled"
+    """A parameter's update/weight ratio collapsed against its own history, or sits at zero,
+    while the other layers learn: it has stopped learning."""
+    UPDATE_TOO_LARGE = "update_too_large"
+    """A parameter's update/weight ratio jumped far above its own history."""
+    LOSS_SPIKE = "loss_spike"
+    """The loss jumped far above its own recent history."""
     INTERNAL_ERROR = "internal_error"
 
 

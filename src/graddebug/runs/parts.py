@@ -48,14 +48,16 @@ TEXT = frozenset({"object", "str", "string"})
 """Dtype names of text columns: pandas versions name the schema's ``object`` columns
 differently, and all three hold the same values."""
 
-OPTIONAL = frozenset({"pre_norm", "rank", "source", "cause"})
+OPTIONAL = frozenset({"pre_norm", "rank", "source", "cause", "weight_norm", "update_norm"})
 """Schema columns a part or a spec may lack: ``pre_norm`` exists only where one acted, and runs
-written before ``rank`` or ``source`` existed lack them (they come from one process, rank 0,
-and knew no source lines)."""
+written before ``rank``, ``source``, ``cause`` or the optimizer's columns existed lack them
+(they come from one process, rank 0, and knew no source lines, causes or updates)."""
 
 
 _APPENDED_TEXT = ("source", "cause")
 """Text columns appended to the format after its first release, empty in older files."""
+_APPENDED_FLOAT = ("weight_norm", "update_norm")
+"""Number columns appended to the format after its first release, NaN in older files."""
 
 
 def with_appended(frame: pd.DataFrame, schema: Mapping[str, str] | None = None) -> pd.DataFrame:
@@ -64,6 +66,9 @@ def with_appended(frame: pd.DataFrame, schema: Mapping[str, str] | None = None) 
     ``source``, findings both)."""
     if "rank" not in frame:
         frame = frame.assign(rank=np.zeros(len(frame), dtype="int64"))
+    for column in _APPENDED_FLOAT:
+        if schema is not None and column in schema and column not in frame:
+            frame = frame.assign(**{column: np.full(len(frame), np.nan)})
     for column in _APPENDED_TEXT:
         if schema is None or column not in schema:
             continue

@@ -40,6 +40,7 @@ from graddebug_torch.params import (
 )
 from graddebug_torch.parking import HookParking
 from graddebug_torch.scaling import LossScaling
+from graddebug_torch.updates import UpdateWatch
 from graddebug_torch.valueflow import needs_value_flow, never_cuts
 from graddebug_torch.watching import OutputWatch
 from graddebug_torch.wrappers import class_name, clean_name, compiled, unwrap
@@ -89,6 +90,8 @@ class TorchAdapter(BaseAdapter):
         self._ops = OpCapture(self._watch, options, model=self._model, root=self._root,
                               watched=self._modules, name=self._name, matched=self._matched)
         self._sharded = ShardedMarks([p.param for p in self._params if p.sharded])
+        self._updates = UpdateWatch(context, self._params, options.every,
+                                    self._fail_open("optimizer step"))
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -133,7 +136,8 @@ class TorchAdapter(BaseAdapter):
 
     def attach(self) -> None:
         """Register one forward hook per watched module and one post-accumulate hook per
-        watched parameter; follow the ``scaler=`` GradScaler.
+        watched parameter; follow the ``scaler=`` GradScaler, and every torch optimizer's
+        steps (:mod:`graddebug_torch.updates`).
 
         Raises:
             ConfigError: ``scaler=`` is not a ``torch.amp.GradScaler``.
@@ -188,6 +192,7 @@ class TorchAdapter(BaseAdapter):
             parking.add(self._root, collector)
         self._scaling.attach()
         self._ops.attach()
+        self._updates.attach()
         # A compiled graph keeps the hooks it was traced with, so hooks parked while dynamo
         # traces would be missing from it on recorded steps too; op capture hooks the root.
         self._parks = self._options.every > 1 and not runs_compiled and not self._ops.enabled
@@ -204,14 +209,22 @@ class TorchAdapter(BaseAdapter):
         """
         optimizer = check_optimizer(optimizer, self._params)
         stepped = self._scaling.follow(optimizer, on_step)
-        self._handles.append(optimizer.register_step_post_hook(
-            lambda opt, args, kwargs: stepped()))
+        measure = self._updates.after_step
+
+        def post_hook(opt: Any, args: Any, kwargs: Any) -> None:
+            # torch runs an optimizer's own post-hooks before the global ones, and this one
+            # closes the step: the update is measured first, for the close to read it.
+            measure(opt)
+            stepped()
+
+        self._handles.append(optimizer.register_step_post_hook(post_hook))
 
     def detach(self) -> None:
         """Remove every module and tensor hook; restore ``model.training`` and the scaler."""
         scaling = getattr(self, "_scaling", None)  # None when attach failed early
         if scaling is not None:
             scaling.detach()
+        self._updates.detach()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -334,10 +347,11 @@ class TorchAdapter(BaseAdapter):
                 scale = self._scaling.read()  # queued before the step's sync, read after it
                 return self._ops.close(scale.unscale(step, gather(
                     step, state, rows, depths, full=full, staging=watch.staging,
-                    sharded=sharded, on_bug=self._ctx.internal_error)))
+                    sharded=sharded, on_bug=self._ctx.internal_error, weights=self._updates)))
             return StepResult(events=list(state.events))
         finally:
             release_rows(rows)
+            self._updates.closed()
             self._scaling.next_pass()
             self._sharded.mark()
             watch.drop_step()

@@ -31,6 +31,7 @@ from graddebug_torch.distributed import GlobalStats, OnBug, nonfinite_flags, row
 from graddebug_torch.params import ParamRow
 from graddebug_torch.staging import GroupStats, SmallGrads, StagedGroup
 from graddebug_torch.stats import param_norms, stack_scalars, sum_and_absmax, unit_summary
+from graddebug_torch.updates import UpdateWatch
 
 __all__ = ["gather"]
 
@@ -87,7 +88,7 @@ class _Source(Protocol):
 
 def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: dict[str, int],
            full: bool, staging: SmallGrads | None = None, sharded: GlobalStats | None = None,
-           on_bug: OnBug | None = None) -> StepResult:
+           on_bug: OnBug | None = None, weights: UpdateWatch | None = None) -> StepResult:
     """Turn one step's captures and parameter gradients into records and events.
 
     Args:
@@ -101,6 +102,8 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
             their order (:func:`graddebug_torch.distributed.reduce_sharded`); None leaves
             those rows out.
         on_bug: Where a failure to look at a sharded gradient's slice goes.
+        weights: The parameters' weight and update norms (``weight_norm``, ``update_norm``);
+            None leaves them NaN.
 
     Returns:
         The step's records, events and kept arrays.
@@ -110,7 +113,7 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
         # No backward ran in this step; what forward saw (a tap cut from the graph) stands.
         return StepResult(events=list(state.events))
     activations = _Activations(state, staging, depths)
-    parameters = _Parameters(params, present, full, sharded, on_bug or _ignore)
+    parameters = _Parameters(params, present, full, sharded, on_bug or _ignore, weights)
     sources: tuple[_Source, ...] = (
         activations, parameters, _ForwardReads(state.forward, EventKind.FORWARD_NONFINITE),
         _ForwardReads(state.inputs, EventKind.INPUT_NONFINITE))
@@ -273,7 +276,8 @@ class _Activations:
 class _Parameters:
     """The watched parameters' gradients: their norms in one fused pass (a batched one per
     group of small ones), the sum and ``absmax`` too with ``full``. Sharded ones were combined
-    over the ranks already (:class:`~graddebug_torch.distributed.GlobalStats`).
+    over the ranks already (:class:`~graddebug_torch.distributed.GlobalStats`). The weights'
+    and the updates' norms come from ``weights``.
 
     Args:
         params: Every watched parameter that requires a gradient.
@@ -281,11 +285,14 @@ class _Parameters:
         full: Also measure the sum and ``absmax``.
         sharded: The sharded rows' combined statistics, or None to leave them out.
         on_bug: Where a failure to look at a sharded gradient's slice goes.
+        weights: Where the weight and update norms come from, or None.
     """
 
     def __init__(self, params: Sequence[ParamRow], present: list[ParamRow], full: bool,
-                 sharded: GlobalStats | None, on_bug: OnBug) -> None:
+                 sharded: GlobalStats | None, on_bug: OnBug,
+                 weights: UpdateWatch | None = None) -> None:
         self._params = params
+        self._weights = weights
         self._present = present
         self._full = full
         self._sharded = sharded
@@ -311,6 +318,8 @@ class _Parameters:
                                 for p in self._local if p.grad is not None}
         if self._sharded is not None:
             self._sharded_slot = batch.add(self._sharded.values)
+        if self._weights is not None:
+            self._weights.queue(batch)
 
     def read(self, step: int, batch: _HostBatch, result: StepResult) -> None:
         """Add one row per parameter that got a gradient, in order; those whose combined
@@ -323,9 +332,14 @@ class _Parameters:
         whole_values = batch[self._sharded_slot]
         where_sharded = {id(p): i for i, p in enumerate(p for p in self._params if p.sharded)}
         full, records = self._full, result.records
-        broken: list[tuple[ParamRow, Tensor, float, list[float] | None]] = []
+        broken: list[tuple[ParamRow, Tensor, float, list[float] | None, tuple[float, float]]] = []
         new_row, nan = tuple.__new__, math.nan
-        for p in self._present:
+        present = self._present
+        if self._weights is not None:
+            weight_norms, update_norms = self._weights.read(batch, present)
+        else:
+            weight_norms = update_norms = [nan] * len(present)
+        for p, weight, update in zip(present, weight_norms, update_norms, strict=True):
             grad = p.grad
             assert grad is not None
             if p.sharded:
@@ -335,22 +349,25 @@ class _Parameters:
                     continue
                 norm, extra = found
                 if not math.isfinite(norm):
-                    broken.append((p, grad, norm, extra))
+                    broken.append((p, grad, norm, extra, (weight, update)))
                     continue
-                records.append(_param_record(step, p, grad, norm, extra, (False, False)))
+                records.append(_param_record(step, p, grad, norm, extra, (weight, update),
+                                             (False, False)))
                 continue
             norm = next(local_norms)
             if full or not math.isfinite(norm) or grad.is_sparse:
                 extra = batch[self._full_slots[id(p)]] if full else None
-                records.append(_param_record(step, p, _dense(grad), norm, extra))
+                records.append(_param_record(step, p, _dense(grad), norm, extra,
+                                             (weight, update)))
             else:  # the usual row, built inline: a large model has tens of thousands a step
                 records.append(new_row(Record, (
                     step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
-                    grad.numel(), norm, nan, nan, nan, nan, False, False, nan, 0)))
+                    grad.numel(), norm, nan, nan, nan, nan, False, False, nan, 0, weight,
+                    update)))
         if broken:  # every rank sees the same combined norms, so all of them come here together
-            flags = nonfinite_flags([g for _, g, _, _ in broken], self._on_bug)
-            for (p, grad, norm, extra), pair in zip(broken, flags, strict=True):
-                records.append(_param_record(step, p, grad, norm, extra, pair))
+            flags = nonfinite_flags([g for _, g, _, _, _ in broken], self._on_bug)
+            for (p, grad, norm, extra, weights), pair in zip(broken, flags, strict=True):
+                records.append(_param_record(step, p, grad, norm, extra, weights, pair))
 
     def missing(self, step: int, result: StepResult) -> None:
         """Add a ``no_grad`` event per parameter that got no gradient; keep the gradients
@@ -424,9 +441,11 @@ def _activation_row(step: int, key: Key, depth: int, first: Capture, numel: int,
 
 
 def _param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
-                  extra: list[float] | None, flags: tuple[bool, bool] | None = None) -> Record:
+                  extra: list[float] | None, weights: tuple[float, float],
+                  flags: tuple[bool, bool] | None = None) -> Record:
     """A parameter's row. ``grad`` gives the shape and size (a sharded gradient's are those
-    of the whole parameter); ``flags`` are its ``(nan, inf)`` where the caller knows them."""
+    of the whole parameter); ``weights`` are its ``(weight_norm, update_norm)``; ``flags`` are
+    its ``(nan, inf)`` where the caller knows them."""
     nan, inf = flags if flags is not None else (False, False)
     if flags is None and not math.isfinite(norm):
         # Rare: a second sync, only for a gradient already known to be broken.
@@ -435,9 +454,11 @@ def _param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
     if extra is None:  # param_stats="norm": no mean, std or absmax to derive
         return tuple.__new__(Record, (
             step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape), grad.numel(),
-            norm, math.nan, math.nan, math.nan, math.nan, nan, inf and not nan, math.nan, 0))
+            norm, math.nan, math.nan, math.nan, math.nan, nan, inf and not nan, math.nan, 0,
+            *weights))
     return sums_record(step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
-                       grad.numel(), norm, extra[0], extra[1], math.nan, nan, inf)
+                       grad.numel(), norm, extra[0], extra[1], math.nan, nan, inf, math.nan, 0,
+                       *weights)
 
 
 def _ignore(exc: BaseException, where: str) -> None:
