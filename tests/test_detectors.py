@@ -10,18 +10,16 @@ import pytest
 
 from conftest import make_record
 from graddebug import Thresholds
-from graddebug.detectors import Evidence
-from graddebug.frames import event_frame, finding_frame, record_frame
+from graddebug.diagnosis import diagnose as run_diagnosis
+from graddebug.frames import event_frame, record_frame
 from graddebug.plugins import new_plugin_manager
 from graddebug.records import Event, EventKind, Record
 
 
 def diagnose(records, events=(), **thresholds) -> pd.DataFrame:
-    pm = new_plugin_manager(entry_points=False)
-    evidence = Evidence(records=record_frame(list(records)), events=event_frame(list(events)))
-    found = [f for batch in pm.hook.graddebug_findings(
-        evidence=evidence, thresholds=Thresholds(**thresholds)) for f in batch]
-    return finding_frame(found)
+    return run_diagnosis(record_frame(list(records)), event_frame(list(events)),
+                         Thresholds(**thresholds),
+                         plugin_manager=new_plugin_manager(entry_points=False))
 
 
 def chain(step: int, norms: list[float], **kw):

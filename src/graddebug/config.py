@@ -65,6 +65,11 @@ def as_number(value: object, *, integral: bool = False) -> int | float | None:
     return float(value)
 
 
+_COUNTS = {"growth_window": "steps", "overflow_steps": "steps", "history_window": "steps",
+           "history_min": "steps", "history_numel": "entries"}
+"""The thresholds that count something, and must be ints."""
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Where each built-in diagnosis starts to fire. All values must be finite and positive.
@@ -118,6 +123,33 @@ class Thresholds:
             many consecutive recorded steps on (10: each skip halves the scale, and a healthy
             run skips a handful at its start while the scale settles from 65536), or as soon
             as a skipped step's scale is below 1 (the gradients overflow unscaled).
+        history_window: The history rules judge each tensor against its last this many
+            recorded steps (the median and MAD of its log10 gradient norm, weight norm and
+            update/weight ratio; the loss's own); the recent-window ``dead`` rule looks this
+            far back (20).
+        history_min: A tensor is judged once its history holds this many steps (8; at most
+            ``history_window`` count).
+        history_factor: A parameter's update/weight ratio jumps or collapses when it lies this
+            many times above or below its median, beyond what every ratio did at that step;
+            a weight norm changed outside the optimizer when it moved this many times since
+            the last recorded step (10) ...
+        history_grad_factor: ... and a gradient norm (layer outputs, taps, parameters) when
+            it lies this many times above or below its median, beyond what every gradient did
+            at that step (100: healthy runs move one tensor's gradient by up to 37x in torch
+            and 620x in a Keras attention query during warmup, see the README) ...
+        history_sigma: ... and at least this many robust standard deviations (1.4826 MAD, in
+            log10) from it (6: a tensor that swings a lot from step to step is judged by its
+            own spread).
+        history_numel: Tensors of fewer entries are left out of the history rules (16: the
+            norm of a tiny bias swings by 100x when its entries cross zero).
+        stall_floor: ``stalled`` when a parameter's update/weight ratio is at or below this
+            (1e-8; an update of exactly 0 while its gradient is not) while the other layers'
+            median ratio is at least 1000 times more.
+        loss_sigma: ``loss_spike`` when the loss lies this many robust standard deviations
+            above the median of its last ``history_window`` steps (6, as OLMo-core's rule) ...
+        loss_rise: ... and above it by at least this fraction of the larger of that median
+            and the median of the run's first ``history_window`` losses (1.0: a loss that is
+            near 0 late in a run triples on a batch with one hard example, which is no spike).
     """
 
     vanishing_ratio: float = 1e-3
@@ -132,6 +164,15 @@ class Thresholds:
     growth_window: int = 5
     dead_fraction: float = 0.7
     overflow_steps: int = 10
+    history_window: int = 20
+    history_min: int = 8
+    history_factor: float = 10.0
+    history_grad_factor: float = 100.0
+    history_sigma: float = 6.0
+    history_numel: int = 16
+    stall_floor: float = 1e-8
+    loss_sigma: float = 6.0
+    loss_rise: float = 1.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -156,10 +197,10 @@ class Thresholds:
                     f"threshold {name}={getattr(self, name)!r} is {what} and must lie in "
                     f"(0, 1]; the default is {getattr(type(self), name)!r}."
                 )
-        for name in ("growth_window", "overflow_steps"):
+        for name, what in _COUNTS.items():
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(
-                    f"threshold {name}={getattr(self, name)!r} counts steps and must be an int."
+                    f"threshold {name}={getattr(self, name)!r} counts {what} and must be an int."
                 )
 
     @classmethod

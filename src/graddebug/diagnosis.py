@@ -32,6 +32,7 @@ def diagnose(
     *,
     extra: Iterable[Finding] = (),
     plugin_manager: pluggy.PluginManager | None = None,
+    exclude: Iterable[str] = (),
 ) -> pd.DataFrame:
     """Run every detector plugin over recorded frames.
 
@@ -41,6 +42,8 @@ def diagnose(
         thresholds: The thresholds the detectors apply.
         extra: Findings that come from elsewhere (internal errors) and join the result.
         plugin_manager: The manager whose detectors run; the process-wide one by default.
+        exclude: Names of detector plugins to leave out (the live Watcher runs the history
+            rules step by step, not over its window).
 
     Returns:
         The findings frame, ordered by step and severity. The rows of a multi-rank run are
@@ -50,10 +53,25 @@ def diagnose(
     pm = plugin_manager or get_plugin_manager()
     evidence = Evidence(records=combine_ranks(records), events=events)
     combined = evidence.records
-    found: list[Finding] = []
-    for batch in pm.hook.graddebug_findings(evidence=evidence, thresholds=thresholds):
-        found.extend(batch)
-    return finding_frame([*extra, *_with_ranks(found, combined, events)])
+    left_out = [pm.get_plugin(name) for name in exclude]
+    hook = (pm.subset_hook_caller("graddebug_findings", [p for p in left_out if p is not None])
+            if left_out else pm.hook.graddebug_findings)
+    batches = hook(evidence=evidence, thresholds=thresholds)
+    return finding_frame([*extra, *_with_ranks(_once(batches), combined, events)])
+
+
+def _once(batches: list[list[Finding]]) -> list[Finding]:
+    """The detectors' findings, each issue at each layer from one detector: where two report
+    the same one (the whole-run ``dead`` rule and the recent-window one, the depth rule and
+    the history rule on a weight scaled mid-run), the detector that saw it first keeps it, and
+    at the same step the one that ran first."""
+    owner: dict[tuple[str, str], tuple[int, int]] = {}
+    for b, batch in enumerate(batches):
+        for f in batch:
+            key = (f.issue, f.layer)
+            owner[key] = min(owner.get(key, (f.step, b)), (f.step, b))
+    return [f for b, batch in enumerate(batches) for f in batch
+            if owner[(f.issue, f.layer)][1] == b]
 
 
 def _with_ranks(found: list[Finding], records: pd.DataFrame, events: pd.DataFrame

@@ -33,6 +33,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "graddebug.detectors.overflow",
     "graddebug.detectors.cutgraph",
     "graddebug.detectors.dead",
+    "graddebug.detectors.history",
     "graddebug.integrations.tensorboard",
 )
 """Built-in plugins, registered before any installed one (modules imported by name)."""

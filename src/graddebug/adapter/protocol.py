@@ -33,7 +33,7 @@ import numpy as np
 
 from graddebug.capture.layers import Intervention
 from graddebug.config import Thresholds
-from graddebug.records import Event, Record
+from graddebug.records import FINDING_DTYPES, Event, Record
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -188,6 +188,22 @@ class StepResult:
     records: list[Record] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     kept: dict[str, np.ndarray] = field(default_factory=dict)
+    diagnose: Callable[[], pd.DataFrame] | None = field(default=None, repr=False,
+                                                        compare=False)
+    """Set by the Watcher on the steps it returns: what :attr:`findings` calls. Adapters leave
+    it None."""
+
+    @property
+    def findings(self) -> pd.DataFrame:
+        """The findings this step brought: those first seen when it closed, in the columns of
+        ``Watcher.findings()``. Diagnosed when first read, so that a loop that never asks pays
+        only for the history rules; empty on a result no Watcher returned."""
+        if self.diagnose is None:
+            import pandas as pd
+
+            return pd.DataFrame({name: pd.Series(dtype=dtype)
+                                 for name, dtype in FINDING_DTYPES.items()})
+        return self.diagnose()
 
 
 @runtime_checkable
@@ -207,8 +223,13 @@ class CallbackContext(Protocol):
     def distribution(self) -> Distribution:
         """This process's rank, the world size and the backend (known once entered)."""
 
-    def step(self, grads: Sequence[Any] | None = None) -> StepResult | None:
-        """Close the open step; return its result, or None when it was not recorded."""
+    def step(self, grads: Sequence[Any] | None = None, *, loss: Any = None
+             ) -> StepResult | None:
+        """Close the open step, with the step's loss where the host knows it; return its
+        result, or None when it was not recorded."""
+
+    def record_loss(self, loss: Any) -> None:
+        """Record the loss of the step closed last (hosts that learn it after the close)."""
 
     def findings(self) -> pd.DataFrame:
         """The findings so far (callbacks that stop training on a finding read them)."""

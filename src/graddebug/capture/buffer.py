@@ -136,6 +136,12 @@ class RunBuffer:
         if self.log is not None and self.log.step_recorded():
             self.flush()
 
+    def add_rows(self, records: list[Record]) -> None:
+        """Add rows to a step recorded already (a loss known after its step closed)."""
+        rank = self.distribution.rank
+        self.records.extend(tuple(r._replace(rank=rank)) if rank else tuple(r) for r in records)
+        self._cache.clear()
+
     def add_internal(self, finding: Finding) -> None:
         """Add an internal error (a bug caught in a hook)."""
         self.internal.append(finding._replace(rank=self.distribution.rank))

@@ -12,10 +12,11 @@ import pandas as pd
 import pluggy
 
 from graddebug.capture.buffer import RunBuffer
+from graddebug.capture.live import LiveFindings, as_findings
 from graddebug.config import Thresholds
 from graddebug.diagnosis import diagnose
 from graddebug.errors import RunFileError, WatcherStateError
-from graddebug.frames import summary_frame
+from graddebug.frames import finding_frame, summary_frame
 from graddebug.report.report import Report, notebook_html
 from graddebug.runs.layout import check_run_path
 
@@ -37,6 +38,7 @@ class RunResults:
         self._buffer = buffer
         self.thresholds = thresholds
         self._pm = plugin_manager
+        self._live = LiveFindings(thresholds, plugin_manager)
 
     @property
     def active(self) -> bool:
@@ -62,10 +64,24 @@ class RunResults:
 
     def findings(self) -> pd.DataFrame:
         """Return one row per diagnosis: ``step, layer, tensor, issue, severity, value,
-        threshold, message``. Empty for a healthy model."""
-        return self._buffer.cached("findings", lambda: diagnose(
-            self.frame(), self.events(), self.thresholds, extra=self._buffer.internal,
-            plugin_manager=self._pm))
+        threshold, message, rank, source, cause``. Empty for a healthy model.
+
+        While the ``with`` block runs, the findings so far, at a cost that does not grow with
+        the run (see :mod:`graddebug.capture.live`): the history rules as each step closed,
+        and the other rules over the last ``history_window`` recorded steps. Once it has
+        ended, the whole run diagnosed, together with anything reported while it ran.
+        """
+        if self.active:
+            return self._buffer.cached("findings", lambda: finding_frame(
+                [*self._buffer.internal, *self._live.findings()]))
+        return self._buffer.cached("findings", self._whole_run)
+
+    def _whole_run(self) -> pd.DataFrame:
+        whole = diagnose(self.frame(), self.events(), self.thresholds,
+                         extra=self._buffer.internal, plugin_manager=self._pm)
+        seen = set(zip(whole["issue"], whole["layer"], strict=True))
+        live = [f for f in self._live.reported() if (f.issue, f.layer) not in seen]
+        return finding_frame([*as_findings(whole), *live]) if live else whole
 
     def summary(self) -> pd.DataFrame:
         """Return the per-layer aggregate over recorded steps, in depth order."""

@@ -9,6 +9,7 @@ through it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
@@ -24,9 +25,48 @@ from graddebug.adapter import (
 )
 from graddebug.capture.buffer import RunBuffer, gc_paused
 from graddebug.capture.context import HookSide
-from graddebug.errors import GradDebugError, WatcherStateError
+from graddebug.capture.live import LiveFindings
+from graddebug.config import as_number
+from graddebug.errors import ConfigError, GradDebugError, WatcherStateError
+from graddebug.frames import finding_frame
+from graddebug.records import Kind, Record, sums_record
 
-__all__ = ["StepState", "Steps"]
+__all__ = ["StepState", "Steps", "loss_record", "loss_value"]
+
+_LOSS = Kind.LOSS.value
+
+
+def loss_value(loss: Any, where: str) -> float | None:
+    """A loss handed to graddebug as a Python float (None stays None).
+
+    Numbers are taken as they are; anything else (a tensor or array of one element, of any
+    framework) through ``float()``, which reads it from the device.
+
+    Raises:
+        ConfigError: ``loss`` is not one number.
+    """
+    if loss is None:
+        return None
+    number = as_number(loss)
+    if number is not None:
+        return float(number)
+    detach = getattr(loss, "detach", None)  # a torch loss that still requires a gradient
+    try:
+        if isinstance(loss, (str, bytes)):
+            raise TypeError("text")
+        return float(detach() if callable(detach) else loss)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(
+            f"{where} takes the step's loss as one number or a one-element tensor; got "
+            f"{type(loss).__name__} {getattr(loss, 'shape', '')!s}. Pass loss.mean(), or "
+            "leave it out inside a compiled function."
+        ) from exc
+
+
+def loss_record(step: int, loss: float) -> Record:
+    """The loss row of a step (see :attr:`graddebug.records.Kind.LOSS`)."""
+    return sums_record(step, _LOSS, _LOSS, _LOSS, -1, "()", 1, abs(loss), loss, abs(loss),
+                       math.nan, math.isnan(loss), math.isinf(loss))
 
 
 class StepState(Enum):
@@ -50,10 +90,11 @@ class Steps:
         plugin_manager: Whose ``graddebug_step_recorded`` subscribers hear of each step.
         watcher: The Watcher, as subscribers see it.
         optimizer: The optimizer given to ``watch(optimizer=...)``, or None (for messages).
+        live: Where each recorded step's rows are diagnosed as it closes.
     """
 
     def __init__(self, hooks: HookSide, buffer: RunBuffer, plugin_manager: pluggy.PluginManager,
-                 watcher: CallbackContext, optimizer: Any) -> None:
+                 watcher: CallbackContext, optimizer: Any, live: LiveFindings) -> None:
         self._hooks = hooks
         self._buffer = buffer
         self._pm = plugin_manager
@@ -64,6 +105,9 @@ class Steps:
         self._read_ahead: ReadAhead | None = None
         self._tiers_sink: CompiledTiers | None = None
         self._closed = StepState.OPEN  # who closed the last step; OPEN before the first
+        self._live = live
+        self._last_recorded: int | None = None
+        self._loss_step: int | None = None  # the last recorded step that has a loss row
 
     @property
     def adapter(self) -> Adapter | None:
@@ -88,7 +132,8 @@ class Steps:
         """Whether the adapter captured anything in the open step."""
         return self._adapter is not None and self._adapter.has_pending()
 
-    def by_user(self, grads: Sequence[Any] | None) -> StepResult | None:
+    def by_user(self, grads: Sequence[Any] | None, loss: float | None = None
+                ) -> StepResult | None:
         """``dbg.step(grads)``: close the open step, unless nothing arrived since the last
         ``dbg.step()`` (warned once) or the optimizer has closed it already (an error).
 
@@ -114,7 +159,32 @@ class Steps:
                 "optimizer step, after backward()."
             ))
             return None
-        return self.close(grads, StepState.CLOSED_BY_USER)
+        return self.close(grads, StepState.CLOSED_BY_USER, loss)
+
+    def late_loss(self, loss: float) -> None:
+        """Record the loss of the step closed last, unless it has one or was not recorded."""
+        step = self._last_recorded
+        if step is None or step != self._hooks.step - 1 or step == self._loss_step:
+            return
+        self._loss_step = step
+        row = loss_record(step, loss)
+        self._buffer.add_rows([row])
+        self._judge(self._live.observe_loss, step, row)
+
+    def _judge(self, rule: Any, *args: Any) -> Any:
+        """Run a live diagnosis; a bug in one must not stop training, so it fails open."""
+        try:
+            return rule(*args)
+        except GradDebugError:
+            raise
+        except Exception as exc:
+            self._hooks.internal_error(exc, "live findings")
+            return None
+
+    def _findings_of(self, step: int) -> Any:
+        """What ``StepResult.findings`` of ``step`` calls."""
+        found = self._judge(self._live.new, step)
+        return found if found is not None else finding_frame([])
 
     def by_optimizer(self) -> None:
         """Called by the adapter after each step of the optimizer given to ``watch``: close
@@ -135,13 +205,15 @@ class Steps:
             return self._read_ahead.pending_for_close()
         return self.pending()
 
-    def close(self, grads: Sequence[Any] | None, by: StepState) -> StepResult | None:
+    def close(self, grads: Sequence[Any] | None, by: StepState, loss: float | None = None
+              ) -> StepResult | None:
         """Close the open step: the adapter's rows into the buffer when it is recorded, then
         the next step opens.
 
         Args:
             grads: Parameter gradients handed to ``dbg.step()``, or None.
             by: Who closes it.
+            loss: The step's loss, where the caller knows it.
 
         Returns:
             The step's result; None when ``every=`` skipped it.
@@ -154,7 +226,13 @@ class Steps:
                 with gc_paused():
                     result = adapter.close_step(step, grads, record=recording)
                     if recording:
+                        if loss is not None:
+                            result.records.append(loss_record(step, loss))
+                            self._loss_step = step
                         self._buffer.add(step, result)
+                        self._last_recorded = step
+                        self._judge(self._live.observe, step, result)
+                        result.diagnose = lambda: self._findings_of(step)
                         self._pick_tier(result)
                 if recording and hooks.escalation is not None:
                     self._escalate(result)

@@ -22,7 +22,7 @@ from graddebug.capture.layers import Intervention, is_op_site
 from graddebug.capture.metadata import run_metadata
 from graddebug.capture.options import build_options
 from graddebug.capture.results import RunResults
-from graddebug.capture.steps import Steps, StepState
+from graddebug.capture.steps import Steps, StepState, loss_value
 from graddebug.config import Thresholds
 from graddebug.errors import (
     ConfigError,
@@ -103,7 +103,8 @@ class Watcher(RunResults):
             escalation=(Escalation(self.thresholds)
                         if options.escalate and not options.ops else None),
             ops=options.ops, strict=options.strict)
-        self._steps = Steps(self._hooks, buffer, self._pm, self, options.optimizer)
+        self._steps = Steps(self._hooks, buffer, self._pm, self, options.optimizer,
+                            self._live)
         self._started = ""
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -229,7 +230,8 @@ class Watcher(RunResults):
 
     # -- steps --------------------------------------------------------------------------------
 
-    def step(self, grads: Sequence[Any] | None = None) -> StepResult | None:
+    def step(self, grads: Sequence[Any] | None = None, *, loss: Any = None
+             ) -> StepResult | None:
         """Close the current step: record parameter gradients and move to the next step.
 
         Call it once per optimizer step, after ``backward()`` (before or after
@@ -244,6 +246,10 @@ class Watcher(RunResults):
                 that do not store them on the parameters (TensorFlow). Torch reads ``p.grad``.
                 In a ``tf.compat.v1`` graph: what ``session.run`` returned for
                 :meth:`fetches`.
+            loss: The step's loss (a Python number, or a one-element tensor or array of any
+                framework; read once, a host transfer), recorded as a ``kind="loss"`` row
+                and judged by the ``loss_spike`` rule. Optional: the training callbacks pass
+                it themselves.
 
         Returns:
             The step's records, events and kept gradients; None when ``every=`` skipped it, or
@@ -254,13 +260,36 @@ class Watcher(RunResults):
                 to ``watch(optimizer=...)`` has closed the step already.
             GradientCountError: ``grads`` does not line up with the watched parameters: another
                 count, or the first entry whose type, shape or dtype is not its parameter's.
+            ConfigError: ``loss`` is not one number.
         """
         if not self.active:
             raise WatcherStateError(
                 "step() was called outside the `with graddebug.watch(...)` block; "
                 "call it inside the block, once per optimizer step."
             )
-        return self._steps.by_user(grads)
+        return self._steps.by_user(grads, loss_value(loss, "step(loss=...)"))
+
+    def record_loss(self, loss: Any) -> None:
+        """Record the loss of the step closed last, for loops and hosts that learn it only
+        after the step closed (``watch(optimizer=...)``, Lightning's ``on_train_batch_end``).
+
+        A step that has a loss already keeps it; nothing is recorded before the first close,
+        nor for a step that ``every=`` skipped.
+
+        Args:
+            loss: As ``step(loss=...)``.
+
+        Raises:
+            WatcherStateError: Called outside the ``with`` block.
+            ConfigError: ``loss`` is not one number.
+        """
+        if not self.active:
+            raise WatcherStateError(
+                "record_loss() was called outside the `with graddebug.watch(...)` block.")
+        value = loss_value(loss, "record_loss(loss)")
+        if value is None:
+            raise ConfigError("record_loss(loss) needs a loss; None records nothing.")
+        self._steps.late_loss(value)
 
     # -- log_dir --------------------------------------------------------------------------
 

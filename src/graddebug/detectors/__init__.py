@@ -31,28 +31,45 @@ class Evidence:
     and ``cut_graph`` diagnoses read them, with the op-level events, to name the operation and
     its source line.
 
+    The loss rows (``kind == "loss"``) are no gradients either: they move to :attr:`losses`,
+    which the history rules read.
+
     Attributes:
-        records: The record frame (``Watcher.frame()``) without its op rows: activation and
-            parameter rows. Op rows passed in here move to :attr:`ops`.
+        records: The record frame (``Watcher.frame()``) without its op and loss rows:
+            activation and parameter rows. Op rows passed in here move to :attr:`ops`, loss
+            rows to :attr:`losses`.
         events: The structural events (``Watcher.events()``).
         ops: The op rows (empty without op-level capture).
+        losses: The loss rows (empty where no loss was recorded).
     """
 
     records: pd.DataFrame
     events: pd.DataFrame
     ops: pd.DataFrame = field(default_factory=pd.DataFrame)
+    losses: pd.DataFrame = field(default_factory=pd.DataFrame)
     _norms: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         records = self.records
         if "kind" not in records:
             return
-        is_op = (records["kind"] == Kind.OP.value).to_numpy()
-        if is_op.any():
-            object.__setattr__(self, "ops", records[is_op])
-            object.__setattr__(self, "records", records[~is_op])
-        elif self.ops.empty:
-            object.__setattr__(self, "ops", records.iloc[:0])
+        kind = records["kind"].to_numpy()
+        for name, value in (("ops", Kind.OP.value), ("losses", Kind.LOSS.value)):
+            moved = kind == value
+            if moved.any():
+                object.__setattr__(self, name, records[moved])
+                records = records[~moved]
+                kind = kind[~moved]
+            elif getattr(self, name).empty:
+                object.__setattr__(self, name, records.iloc[:0])
+        object.__setattr__(self, "records", records)
+
+    @functools.cached_property
+    def history_rows(self) -> pd.DataFrame:
+        """The gradient rows and the loss rows: what the history rules replay, step by step."""
+        if self.losses.empty:
+            return self.records
+        return pd.concat([self.records, self.losses], ignore_index=True)
 
     @functools.cached_property
     def nonfinite_steps(self) -> frozenset[int]:

@@ -1,0 +1,232 @@
+"""From the tensors that changed at one step to one finding that names the source.
+
+When one tensor jumps, the others inherit: the gradient below a layer whose weight was scaled
+moves with it, and the next step's gradients follow an update that was too large. One event is
+one finding, naming where the change began:
+
+1. when the update/weight ratios of most parameters jumped together (their median moved),
+   nobody in particular: the cause is global, the learning rate or the optimizer;
+2. else a parameter whose weight norm changed by the jump factor since the last recorded step
+   (no optimizer step does that: the weights were edited, reloaded, or scaled by a bug);
+3. else the first tensor in backward order (the deepest layer output, then the deepest
+   parameter) where the change appears: what comes after it in backward order follows from it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from graddebug.config import Thresholds
+from graddebug.detectors import finding, fmt
+from graddebug.detectors._steprows import StepRows
+from graddebug.records import Cause, Finding, Issue, Kind, Severity
+
+__all__ = ["COOLDOWN", "EventBuilder", "Family", "Moves"]
+
+Family = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""One family's moves at a step: the rows that newly left their baseline, their deltas (log10),
+their baselines' sizes, and every judged row."""
+
+_PARAMETER, _ACTIVATION = Kind.PARAMETER.value, Kind.ACTIVATION.value
+
+COOLDOWN = 3
+"""Recorded steps after an event whose new changes belong to it: a learning rate that jumps
+moves the updates at one step and, through the weights it ruined, the gradients at the next."""
+
+_ADVICE = {
+    Issue.VANISHING: "Look at what changed in it at that step (its weights, a scale, a mask); "
+                     "a normalisation after a weight that grew hides it from the loss.",
+    Issue.EXPLODING: "Look at what changed in it at that step; gradient clipping bounds the "
+                     "damage, a lower learning rate or a normalisation prevents it.",
+    Issue.STALLED: "It has stopped learning: a weight far too large in front of a "
+                   "normalisation, or a learning rate of its own that fell to 0.",
+    Issue.UPDATE_TOO_LARGE: "Check the learning rate (its schedule, a warm restart) and the "
+                            "optimizer's state (a reloaded checkpoint, epsilon).",
+}
+
+
+@dataclass
+class Moves:
+    """The families' moves at one step (see :data:`Family`), and the median move of every
+    update/weight ratio (log10): where most of them moved together."""
+
+    grad: Family
+    weight: Family
+    ratio: Family
+    ratio_shift: float = 0.0
+
+
+class EventBuilder:
+    """Turns each step's moves into at most one finding, and remembers the last event.
+
+    Args:
+        thresholds: The run's thresholds (``history_factor``).
+    """
+
+    def __init__(self, thresholds: Thresholds) -> None:
+        self._t = thresholds
+        self._last: tuple[int, str, str, Cause] | None = None
+        self._shifted = False  # every update/weight ratio has moved away from its baselines
+
+    def build(self, rows: StepRows, moves: Moves) -> list[Finding]:
+        """The finding of the event that begins at this step, if one does."""
+        limit = math.log10(self._t.history_factor)
+        shift = moves.ratio_shift
+        if self._shifted and abs(shift) >= limit / 2:
+            shift = 0.0  # every ratio is still away from its baselines: the same event
+        else:
+            self._shifted = abs(shift) >= limit
+        if (not len(moves.grad[0]) and not len(moves.ratio[0]) and not len(moves.weight[0])
+                and abs(shift) < limit):
+            return []
+        last = self._last
+        if last is not None and rows.step - last[0] <= COOLDOWN:
+            return []  # the aftermath of the last event
+        if shift <= -limit:
+            # Every update fell together: a schedule reaching its end (a cosine to 0) or a
+            # learning rate set to 0 for the whole model; no layer to name, and no fault of
+            # the gradients. What moves in the next steps is its aftermath.
+            self._last = (rows.step, "", "", Cause.OPTIMIZER)
+            return []
+        found = (self._global(rows, moves, shift) if shift >= limit else None) \
+            or self._moved_together(rows, moves) or self._edited(rows, moves) \
+            or self._first(rows, moves)
+        self._last = (rows.step, found.layer, found.tensor, Cause(found.cause))
+        return [found]
+
+    def recent_source(self, step: int) -> tuple[str, str, str]:
+        """The source of an event at this step or the two before: its layer, tensor and a
+        clause for a message; the loss itself where there was none."""
+        last = self._last
+        if last is None or step - last[0] > 2:
+            return "loss", "loss", ""
+        if not last[1]:
+            return "", "", f", after every layer changed together at step {last[0]}"
+        return last[1], last[2], f", after {last[1]}.{last[2]} changed at step {last[0]}"
+
+    def recent_layer(self, step: int, within: int) -> str | None:
+        """The layer named by an event at most ``within`` steps before ``step``, if any."""
+        last = self._last
+        return last[1] if last is not None and step - last[0] <= within else None
+
+    def recent_cause(self, step: int) -> Cause:
+        """The cause of an event at this step or the two before; else the data (a loss that
+        jumps while no tensor did comes from the batch)."""
+        last = self._last
+        return last[3] if last is not None and step - last[0] <= 2 else Cause.DATA
+
+    # -- the three sources ----------------------------------------------------------------
+
+    def _moved_together(self, rows: StepRows, moves: Moves) -> Finding | None:
+        """Most weights changed by the jump factor at once, in several layers: where the
+        updates themselves are not known (a tape loop that hands graddebug the gradients
+        only), this is how a learning rate that jumped shows."""
+        at, delta, _, judged = moves.weight
+        layers = set(rows.layer[at])
+        if len(layers) < 3 or 2 * len(at) < len(judged):
+            return None
+        factor = 10 ** float(np.median(np.abs(delta)))
+        message = (f"the weights of {len(layers)} layers ({len(at)} of {len(judged)} "
+                   f"parameters) changed together at step {rows.step}, by {fmt(factor)}x "
+                   "(median) since the step before: no single layer did that. The cause is "
+                   "global: " + _ADVICE[Issue.UPDATE_TOO_LARGE])
+        return finding(Issue.UPDATE_TOO_LARGE, Severity.WARNING, rows.step, "", message,
+                       value=factor, threshold=self._t.history_factor, cause=Cause.OPTIMIZER)
+
+    def _edited(self, rows: StepRows, moves: Moves) -> Finding | None:
+        at, delta, _, _ = moves.weight
+        if not len(at):
+            return None
+        pick = int(np.argmax(np.abs(delta)))
+        i = at[pick]
+        layer, tensor = str(rows.layer[i]), str(rows.tensor[i])
+        own = _same_tensor(rows, moves.ratio, layer, tensor)
+        if own is not None and own < 0:
+            issue = Issue.STALLED
+        elif len(moves.grad[0]):
+            issue = _direction(moves.grad[1], Issue.EXPLODING, Issue.VANISHING)
+        elif len(moves.ratio[0]):
+            issue = _direction(moves.ratio[1], Issue.UPDATE_TOO_LARGE, Issue.STALLED)
+        else:  # a weight far larger than before learns slowly; a far smaller one passes less
+            issue = Issue.STALLED if delta[pick] > 0 else Issue.VANISHING
+        factor = 10 ** abs(float(delta[pick]))
+        verb = "grew" if delta[pick] > 0 else "shrank"
+        effect = _effect(rows, moves)
+        message = (f"the weights of {layer}.{tensor} {verb} {fmt(factor)}x at step "
+                   f"{rows.step}, faster than any optimizer step moves them: they were "
+                   f"edited, reloaded or scaled outside the optimizer.{effect} "
+                   f"{_ADVICE[issue]}")
+        return finding(issue, Severity.WARNING, rows.step, layer, message, tensor=tensor,
+                       value=factor, threshold=self._t.history_factor, cause=Cause.LAYER)
+
+    def _global(self, rows: StepRows, moves: Moves, shift: float) -> Finding:
+        """Most update/weight ratios jumped together (their median moved by the jump
+        factor): the learning rate or the optimizer's state."""
+        judged = len(moves.ratio[3])
+        factor = 10 ** shift
+        message = (f"every layer's update/weight ratio jumped together at step {rows.step}: "
+                   f"by {fmt(factor)}x (the median over {judged} parameters) against their own "
+                   "recent history. The cause is global, not a layer: "
+                   + _ADVICE[Issue.UPDATE_TOO_LARGE])
+        return finding(Issue.UPDATE_TOO_LARGE, Severity.WARNING, rows.step, "", message,
+                       value=factor, threshold=self._t.history_factor, cause=Cause.OPTIMIZER)
+
+    def _first(self, rows: StepRows, moves: Moves) -> Finding:
+        at, delta, count, _ = moves.grad
+        cause, what = Cause.LAYER, "gradient"
+        if not len(at):  # only updates moved: that layer's own learning rate
+            at, delta, count, _ = moves.ratio
+            cause, what = Cause.OPTIMIZER, "update/weight ratio"
+        kinds = rows.kind[at]
+        pool = np.flatnonzero(kinds == _ACTIVATION)
+        if not len(pool):
+            pool = np.arange(len(at))
+        pick = pool[int(np.argmax(rows.depth[at[pool]]))]
+        i = at[pick]
+        layer, tensor = str(rows.layer[i]), str(rows.tensor[i])
+        up = delta[pick] > 0
+        if what == "gradient":
+            issue = Issue.EXPLODING if up else Issue.VANISHING
+        else:
+            issue = Issue.UPDATE_TOO_LARGE if up else Issue.STALLED
+        factor = 10 ** abs(float(delta[pick]))
+        others = len(at) - 1
+        tail = (f" {others} other tensor(s) changed at the same step, after it in backward "
+                "order: they follow from it." if others else "")
+        message = (f"the {what} at {layer}.{tensor} {'jumped' if up else 'fell'} "
+                   f"{fmt(factor)}x at step {rows.step}, against its median of the last "
+                   f"{int(count[pick])} steps.{tail} {_ADVICE[issue]}")
+        return finding(issue, Severity.WARNING, rows.step, layer, message, tensor=tensor,
+                       value=factor, threshold=self._t.history_factor, cause=cause)
+
+
+def _direction(delta: np.ndarray, up: Issue, down: Issue) -> Issue:
+    """``up`` when the largest move was a jump, else ``down``."""
+    return up if delta[int(np.argmax(np.abs(delta)))] > 0 else down
+
+
+def _same_tensor(rows: StepRows, family: Family, layer: str, tensor: str) -> float | None:
+    at, delta, _, _ = family
+    for i, d in zip(at, delta, strict=True):
+        if rows.layer[i] == layer and rows.tensor[i] == tensor:
+            return float(d)
+    return None
+
+
+def _effect(rows: StepRows, moves: Moves) -> str:
+    """A clause on what the change did to the gradients and updates."""
+    parts = []
+    for family, what in ((moves.grad, "gradient"), (moves.ratio, "update/weight ratio")):
+        at, delta, _, _ = family
+        if not len(at):
+            continue
+        pick = int(np.argmax(np.abs(delta)))
+        where = f"{rows.layer[at[pick]]}.{rows.tensor[at[pick]]}"
+        verb = "jumped" if delta[pick] > 0 else "fell"
+        count = f" ({len(at)} tensors moved)" if len(at) > 1 else ""
+        parts.append(f"the {what} at {where} {verb} {fmt(10 ** abs(float(delta[pick])))}x"
+                     f"{count}")
+    return (" At that step " + "; ".join(parts) + ".") if parts else ""

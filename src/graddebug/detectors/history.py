@@ -1,0 +1,333 @@
+"""Mid-training events: every tensor against its own recent history.
+
+A model that learns for a while and then breaks shows it in one tensor's own history, not in a
+comparison between layers at one step: a weight scaled up in front of a normalisation makes its
+own gradient collapse while everything around it stays put, and a learning rate that jumps
+moves every update at once. These rules follow, step by step:
+
+- the log10 of each gradient norm (layer outputs, taps, parameters),
+- the log10 of each parameter's update/weight ratio, and its weight norm against the last
+  recorded step's,
+- the loss, and the zero fraction of layer-output gradients,
+
+each against the median and the MAD of its own last ``history_window`` recorded steps, net of
+what the step did to every tensor of its kind at once (a hard batch, the learning-rate
+schedule). An abrupt change is an event, reported on the step it happens, once: the tensors
+that change at the same step, or within :data:`~graddebug.detectors._events.COOLDOWN` steps
+after, are counted in its message. Slow drift moves the median with it and never fires.
+
+The rules are causal (a step is judged on the steps before it), so the live Watcher runs them
+as steps close (:class:`History`, through :mod:`graddebug.capture.live`) and a loaded run
+replays its frame through the same code: both give the same findings.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from graddebug.config import Thresholds
+from graddebug.detectors import Evidence, finding
+from graddebug.detectors._events import COOLDOWN, EventBuilder, Family, Moves
+from graddebug.detectors._series import MAD_TO_SIGMA, Rings
+from graddebug.detectors._steprows import StepRows
+from graddebug.hookspecs import hookimpl
+from graddebug.records import Cause, Finding, Issue, Kind, Severity
+
+__all__ = ["COOLDOWN", "STALL_MARGIN", "History", "graddebug_findings"]
+
+_PARAMETER, _ACTIVATION = Kind.PARAMETER.value, Kind.ACTIVATION.value
+STALL_MARGIN = 1e3
+"""The other layers count as learning, for the ``stalled`` floor, when their median
+update/weight ratio is at least this many times the floor."""
+
+
+class History:
+    """The streaming rules of one run, fed one recorded step at a time.
+
+    Args:
+        thresholds: The run's thresholds (``history_*``, ``stall_floor``, ``loss_*``,
+            ``dead_fraction``).
+    """
+
+    def __init__(self, thresholds: Thresholds) -> None:
+        self._t = thresholds
+        window = thresholds.history_window
+        # One ring per tensor: its log10 gradient norm, and (parameters) update/weight ratio;
+        # the weight norm is compared with the last recorded step's only.
+        self._grads, self._ratios, self._weights = Rings(window), Rings(window), Rings(1)
+        self._steps_seen = 0
+        # The loss's own history (its values, not logs: a loss may be negative or 0).
+        self._losses: deque[float] = deque(maxlen=window)
+        self._first_losses: list[float] = []  # the run's first history_window losses
+        self._loss_spiking = False
+        self._events = EventBuilder(thresholds)
+        self._frozen: set[tuple[str, str]] = set()
+        self._zeros: dict[tuple[str, str], tuple[int, float, int, float]] = {}
+        self._dead: set[tuple[str, str]] = set()
+        self._broken: int | None = None  # the last step skipped or left out for a NaN
+
+    def observe(self, rows: StepRows) -> list[Finding]:
+        """Judge one recorded step against the history so far, then add it to the history.
+
+        Steps a loss scaler skipped are left out (their gradients overflowed by design), and
+        so are steps with a NaN or Inf (the ``nonfinite`` diagnosis speaks for them, and a
+        NaN would poison every baseline) but for their loss.
+
+        Returns:
+            The findings of events that began at this step.
+        """
+        if rows.skipped or rows.broken:
+            self._broken = rows.step
+            return []
+        found = self._changes(rows)
+        found += self._stalled_floor(rows)
+        found += self._dead_units(rows)
+        found += self._loss_rule(rows)
+        return found
+
+    def observe_loss(self, step: int, loss: float, finite: bool) -> list[Finding]:
+        """Judge a loss that arrived after its step was observed (the step's other rules have
+        run); nothing for a step that was skipped or held a NaN."""
+        if step in (self._broken, None):
+            return []
+        empty = np.empty(0)
+        rows = StepRows(step, empty.astype(object), empty.astype(object), empty.astype(object),
+                        empty.astype(np.int64), empty.astype(np.int64), empty, empty, empty,
+                        empty, loss=loss, loss_finite=finite)
+        return self._loss_rule(rows)
+
+    # -- jumps and collapses ----------------------------------------------------------------
+
+    def _changes(self, rows: StepRows) -> list[Finding]:
+        """Judge every tensor's series at once (a few array operations a step, whatever the
+        number of tensors), then turn what moved into an event."""
+        t = self._t
+        big = (rows.numel >= t.history_numel) & (rows.kind != Kind.LOSS.value)
+        param = big & (rows.kind == _PARAMETER)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            grads = np.log10(rows.norm)
+            weights = np.log10(rows.weight_norm)
+            ratios = np.log10(rows.update_norm / rows.weight_norm)
+        self._steps_seen += 1
+        grad = self._family(self._grads, rows, big, grads, t.history_grad_factor, 0)
+        ratio = self._family(self._ratios, rows, param, ratios, t.history_factor, 1)
+        weight = self._edits(rows, param, weights)
+        return self._events.build(rows, Moves(grad=grad[:4], weight=weight, ratio=ratio[:4],
+                                              ratio_shift=ratio[4]))
+
+    def _family(self, rings: Rings, rows: StepRows, where: np.ndarray, logs: np.ndarray,
+                factor: float, family: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                     np.ndarray, float]:
+        """Judge and extend one family of series, each against its own history and net of
+        what the step did to all of them (see :func:`_common_move`: a batch that moves every
+        gradient, a learning-rate schedule that moves every update, is no tensor's change).
+
+        Returns:
+            The :data:`~graddebug.detectors._events.Family` of moves (row indices, deltas in
+            log10 net of the common move, baseline sizes, every judged row), and the common
+            move itself.
+        """
+        t = self._t
+        at = np.flatnonzero(where & np.isfinite(logs))
+        keys = list(zip([family] * len(at), rows.kind[at], rows.layer[at], rows.tensor[at],
+                        strict=True))
+        slots = rings.slots(keys)
+        values = logs[at]
+        dev = rings.judge(slots, values, t.history_min)
+        rings.push(slots, values)
+        shift = _common_move(rows, at[dev.rows], dev.delta, by_depth=family == 0)
+        delta = dev.delta - shift
+        limit = math.log10(factor)
+        size = np.abs(delta)
+        state = rings.state[dev.slots]
+        new = (size >= limit) & (size >= t.history_sigma * dev.spread) & (state == 0)
+        rings.state[dev.slots[new]] = np.sign(delta[new]).astype(np.int8)
+        rings.state[dev.slots[(state != 0) & (size < limit / 2)]] = 0
+        judged = at[dev.rows]
+        return judged[new], delta[new], dev.count[new], judged, shift
+
+    def _edits(self, rows: StepRows, where: np.ndarray, logs: np.ndarray) -> Family:
+        """Weights whose norm changed by ``history_factor`` since the last recorded step: no
+        optimizer step does that (a healthy weight norm moves by a few percent at most), an
+        edit, a reload or a bug outside the optimizer does."""
+        t = self._t
+        at = np.flatnonzero(where & np.isfinite(logs))
+        keys = list(zip(rows.layer[at], rows.tensor[at], strict=True))
+        slots = self._weights.slots(keys)
+        dev = self._weights.judge(slots, logs[at], 1)
+        self._weights.push(slots, logs[at])
+        if self._steps_seen <= t.history_min:
+            empty = np.empty(0, dtype=np.int64)
+            return empty, np.empty(0), empty, at[dev.rows]
+        new = np.abs(dev.delta) >= math.log10(t.history_factor)
+        judged = at[dev.rows]
+        return judged[new], dev.delta[new], dev.count[new], judged
+
+    # -- the optimizer stopped moving a layer -------------------------------------------------
+
+    def _stalled_floor(self, rows: StepRows) -> list[Finding]:
+        t = self._t
+        if not np.isfinite(rows.update_norm).any():
+            return []
+        param = (rows.kind == _PARAMETER) & (rows.norm > 0) & np.isfinite(rows.norm) \
+            & (rows.weight_norm > 0) & np.isfinite(rows.update_norm)
+        if not param.any():
+            return []
+        ratio = np.where(param, rows.update_norm / np.where(param, rows.weight_norm, 1.0),
+                         np.nan)
+        frozen = param & (ratio <= t.stall_floor)
+        learning = param & ~frozen
+        keys = list(zip(rows.layer, rows.tensor, strict=True))
+        for i in np.flatnonzero(param & ~frozen):
+            self._frozen.discard(keys[i])
+        if not frozen.any() or not learning.any():
+            return []
+        if np.median(ratio[learning]) < t.stall_floor * STALL_MARGIN:
+            return []
+        fresh = [i for i in np.flatnonzero(frozen) if keys[i] not in self._frozen]
+        if not fresh:
+            return []
+        self._frozen.update(keys[i] for i in fresh)
+        source = max(fresh, key=lambda i: (rows.depth[i], keys[i]))
+        layer, tensor = keys[source]
+        others = len({keys[i][0] for i in fresh}) - 1
+        also = f" ({others} other layer(s) too)" if others > 0 else ""
+        return [finding(
+            Issue.STALLED, Severity.WARNING, rows.step, layer,
+            (f"the optimizer did not move {layer}.{tensor} at step {rows.step}{also}: its "
+             f"update/weight ratio is {ratio[source]:.1e} while its gradient is "
+             f"{rows.norm[source]:.2g} and the other layers' median ratio is "
+             f"{np.median(ratio[learning]):.1e}. It has stopped learning: check its "
+             "parameter group's learning rate, and that the optimizer holds it."),
+            tensor=tensor, value=float(ratio[source]), threshold=t.stall_floor,
+            cause=Cause.OPTIMIZER)]
+
+    # -- units that die --------------------------------------------------------------------
+
+    def _dead_units(self, rows: StepRows) -> list[Finding]:
+        """``dead`` over the recent window: the last two steps whose zero fraction is known,
+        both within ``history_window`` steps, at or above ``dead_fraction``. A gradient that
+        is all zero has every unit dead, measured or not."""
+        t = self._t
+        zero = np.where(np.isnan(rows.zero_frac) & (rows.norm == 0), 1.0, rows.zero_frac)
+        act = np.flatnonzero((rows.kind == _ACTIVATION) & (rows.numel > 0) & ~np.isnan(zero))
+        zero = zero[act]
+        fresh = []
+        for i, z in zip(act, zero, strict=True):
+            key = (rows.layer[i], rows.tensor[i])
+            previous = self._zeros.get(key)
+            self._zeros[key] = (*(previous[2:] if previous else (-1, math.nan)), rows.step, z)
+            if z < t.dead_fraction:
+                self._dead.discard(key)
+                continue
+            if (previous is not None and previous[3] >= t.dead_fraction and key not in self._dead
+                    and rows.step - previous[2] < t.history_window):
+                self._dead.add(key)
+                fresh.append(i)
+        if not fresh:
+            return []
+        source = max(fresh, key=lambda i: (rows.depth[i], rows.layer[i], rows.tensor[i]))
+        layer, tensor = rows.layer[source], rows.tensor[source]
+        if self._events.recent_layer(rows.step, t.history_window) == layer:
+            return []  # the units died of an event already reported there (a weight edited)
+        below = len(fresh) - 1
+        victims = (f" The gradient of {below} layer(s) below it is zero because of it."
+                   if below else "")
+        frac = float(np.where(np.isnan(rows.zero_frac[source]), 1.0, rows.zero_frac[source]))
+        return [finding(
+            Issue.DEAD, Severity.WARNING, rows.step, layer,
+            (f"{frac:.0%} of the units of {layer!r} got an all-zero gradient over the whole "
+             f"batch at steps {self._zeros[(layer, tensor)][0]} and {rows.step}: they died and "
+             f"stop learning.{victims} Look for a bias pushed far negative or a weight update "
+             "that overshot; try a lower learning rate, LeakyReLU/GELU, or a normalisation "
+             "layer before the activation."),
+            tensor=tensor, value=frac, threshold=t.dead_fraction, cause=Cause.LAYER)]
+
+    # -- the loss ----------------------------------------------------------------------------
+
+    def _loss_rule(self, rows: StepRows) -> list[Finding]:
+        t = self._t
+        if not rows.loss_finite:
+            return [finding(
+                Issue.NONFINITE, Severity.ERROR, rows.step, "loss",
+                (f"the loss was {rows.loss} at step {rows.step} while every gradient stayed "
+                 "finite: the loss function made it (a log of 0, a division by a zero count, "
+                 "an empty mask). Add an epsilon or a clamp to the loss."),
+                tensor="loss", cause=Cause.NUMERICS)]
+        if math.isnan(rows.loss):
+            return []
+        held = self._losses
+        past = list(held)
+        held.append(rows.loss)
+        if len(self._first_losses) < t.history_window:
+            self._first_losses.append(rows.loss)
+        count = len(past)
+        if count < min(t.history_min, t.history_window):
+            return []
+        median = statistics.median(past)
+        apart = [abs(v - median) for v in past]
+        spread = MAD_TO_SIGMA * max(statistics.median(apart), sum(apart) / count)
+        delta = rows.loss - median
+        # A loss near 0 late in a run triples on a batch with one hard example: the rise is
+        # judged against the loss's scale at the start of the run too.
+        scale = max(abs(median), abs(statistics.median(self._first_losses)))
+        spiked = delta > t.loss_sigma * spread and delta > t.loss_rise * scale
+        was = self._loss_spiking
+        self._loss_spiking = spiked or (was and delta > 0)
+        if not spiked or was:
+            return []
+        layer, tensor, where = self._events.recent_source(rows.step)
+        return [finding(
+            Issue.LOSS_SPIKE, Severity.WARNING, rows.step, layer,
+            (f"the loss jumped to {rows.loss:.4g} at step {rows.step}, against its median of "
+             f"{median:.4g} over the last {count} steps{where}. Check the batch "
+             "of that step and the learning rate; gradient clipping bounds such a step."),
+            tensor=tensor, value=rows.loss, threshold=median + t.loss_rise * scale,
+            cause=self._events.recent_cause(rows.step))]
+
+
+def _common_move(rows: StepRows, judged: np.ndarray, delta: np.ndarray, *, by_depth: bool
+                 ) -> float:
+    """What a step did to every series of a family at once (log10).
+
+    For gradients, the move of the gradient next to the loss (the deepest layer output, else
+    the deepest parameter): a batch that is harder than the others scales every gradient
+    behind the loss with it, while a change inside one layer moves only the gradients that
+    its backward feeds, below it, and leaves the one at the loss alone. For update/weight
+    ratios, the median move: a learning rate scales every update alike. 0 with fewer than 3
+    judged series.
+    """
+    if len(delta) < 3:
+        return 0.0
+    if not by_depth:
+        return float(np.median(delta))
+    kinds = rows.kind[judged]
+    pool = np.flatnonzero(kinds == _ACTIVATION)
+    if not len(pool):
+        pool = np.arange(len(judged))
+    return float(delta[pool[int(np.argmax(rows.depth[judged[pool]]))]])
+
+
+@hookimpl
+def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Finding]:
+    """Replay a recorded run through :class:`History`, step by step."""
+    records = evidence.history_rows
+    if records.empty:
+        return []
+    history = History(thresholds)
+    columns = {name: records[name].to_numpy() for name in records.columns}
+    events = evidence.events
+    by_step = (events.groupby("step").indices if len(events) else {})
+    event_kinds = events["event"].to_numpy() if len(events) else np.empty(0, dtype=object)
+    found: list[Finding] = []
+    groups: dict[Any, Any] = records.groupby("step", sort=True).indices
+    for step in sorted(groups):
+        kinds = event_kinds[by_step[step]] if step in by_step else np.empty(0, dtype=object)
+        found += history.observe(StepRows.from_columns(int(step), columns,
+                                                       np.asarray(groups[step]), kinds))
+    return found

@@ -1,0 +1,271 @@
+"""The history rules (graddebug.detectors.history) on synthetic runs, framework-free: each
+tensor against its own recent history, the update/weight ratio, dead units over a recent
+window, and the loss. The same rows go through the live path (History, step by step) and the
+replay of a frame (diagnose), which must agree."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from graddebug.config import Thresholds
+from graddebug.detectors._steprows import StepRows
+from graddebug.detectors.history import History
+from graddebug.diagnosis import diagnose
+from graddebug.errors import ConfigError
+from graddebug.frames import event_frame, record_frame
+from graddebug.records import Event, EventKind, Finding, Record, sums_record
+
+LAYERS = ("fc0", "fc1", "fc2", "fc3", "head")
+N = 64 * 64
+
+
+def _row(step: int, layer: str, tensor: str, kind: str, depth: int, norm: float,
+         weight: float = math.nan, update: float = math.nan, zero: float = math.nan,
+         nan: bool = False) -> Record:
+    return sums_record(step, layer, tensor, kind, depth, "(64, 64)", N, norm, 0.0, math.nan,
+                       zero, nan, False, weight_norm=weight, update_norm=update)
+
+
+def _loss(step: int, value: float) -> Record:
+    return sums_record(step, "loss", "loss", "loss", -1, "()", 1, abs(value), value,
+                       abs(value), math.nan, math.isnan(value), math.isinf(value))
+
+
+def run(steps: int = 80, *, seed: int = 0, edit=None) -> list[list[Record]]:
+    """A healthy run: per layer an output gradient and a weight, with step-to-step noise
+    (about 1.3x), a slow decay over the run (100x), a warmup of the learning rate over the
+    first 30 steps, and a loss that falls. ``edit(step, values)`` changes the step's values
+    (a dict per layer of ``grad``, ``weight``, ``update``, and ``loss``) before the rows are
+    built."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(steps):
+        decay = 100 ** (-step / steps)
+        lr = min(1.0, step / 30)
+        values = {layer: {"grad": decay * (d + 1) * math.exp(rng.normal(0, 0.25)),
+                          "weight": 10.0 * (1 + 0.001 * step),
+                          "update": 1e-2 * lr * math.exp(rng.normal(0, 0.25))}
+                  for d, layer in enumerate(LAYERS)}
+        values["loss"] = 2.0 * decay ** 0.3 * math.exp(rng.normal(0, 0.05))
+        if edit is not None:
+            edit(step, values)
+        rows = []
+        for d, layer in enumerate(LAYERS):
+            v = values[layer]
+            rows.append(_row(step, layer, "output", "activation", d, v["grad"],
+                             zero=v.get("zero", math.nan)))
+            rows.append(_row(step, layer, "weight", "parameter", d, v["grad"] * 3,
+                             weight=v["weight"], update=v["update"]))
+        rows.append(_loss(step, values["loss"]))
+        out.append(rows)
+    return out
+
+
+def live(steps: list[list[Record]], thresholds: Thresholds | None = None,
+         events: dict[int, list[Event]] | None = None) -> list[Finding]:
+    history = History(thresholds or Thresholds())
+    found = []
+    for step, rows in enumerate(steps):
+        found += history.observe(StepRows.from_records(step, rows, (events or {}).get(step, [])))
+    return found
+
+
+def replayed(steps: list[list[Record]], events: list[Event] = ()) -> list[Finding]:
+    frame = diagnose(record_frame([r for rows in steps for r in rows]), event_frame(events),
+                     Thresholds())
+    return [Finding(*row) for row in frame.itertuples(index=False, name=None)]
+
+
+def test_a_healthy_run_with_warmup_noise_and_decay_gives_no_finding() -> None:
+    for seed in range(5):
+        steps = run(300, seed=seed)
+        assert live(steps) == []
+        assert replayed(steps) == []
+
+
+def test_a_collapse_of_one_layer_output_is_reported_at_its_step_naming_it() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step >= 50:
+            values["fc2"]["grad"] *= 1e-3
+
+    steps = run(edit=edit)
+    found = live(steps)
+    assert len(found) == 1
+    f = found[0]
+    assert (f.step, f.layer, f.tensor, f.issue, f.cause) == (50, "fc2", "output", "vanishing",
+                                                            "layer")
+    assert "fell" in f.message and "at step 50" in f.message
+
+
+    def move(layer: str) -> float:  # log10 of step 50 against the median of the 20 before it
+        logs = np.log10([r.norm for rows in steps for r in rows
+                         if (r.layer, r.tensor) == (layer, "output")])
+        return logs[50] - np.median(logs[30:50])
+
+    # net of what the gradient next to the loss (the head's output) did at that step
+    assert f.value == pytest.approx(10 ** abs(move("fc2") - move("head")), rel=1e-9)
+
+
+def test_the_first_tensor_in_backward_order_is_named_and_the_others_counted() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step >= 45:  # fc3's backward scaled up: fc3 and everything below it jump
+            for layer in ("fc0", "fc1", "fc2", "fc3"):
+                values[layer]["grad"] *= 1e3
+
+    found = live(run(edit=edit))
+    assert [(f.step, f.layer, f.issue) for f in found] == [(45, "fc3", "exploding")]
+    assert "7 other tensor(s)" in found[0].message
+
+
+def test_a_weight_edited_outside_the_optimizer_is_the_source() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step >= 40:  # fc1's weight x1e4 in front of a normalisation: its gradient falls
+            values["fc1"]["weight"] *= 1e4
+            values["fc1"]["grad"] *= 1e-4
+            values["fc1"]["update"] *= 1.0  # Adam's update keeps its size: the ratio falls
+
+    found = live(run(edit=edit))
+    assert len(found) == 1
+    f = found[0]
+    assert (f.step, f.layer, f.tensor, f.issue, f.cause) == (40, "fc1", "weight", "stalled",
+                                                            "layer")
+    assert "outside the optimizer" in f.message
+
+
+def test_every_update_jumping_at_once_is_one_global_finding() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step >= 50:
+            for layer in LAYERS:
+                values[layer]["update"] *= 1e4
+        if step >= 51:  # the ruined weights make every gradient jump at the next step
+            for layer in LAYERS:
+                values[layer]["grad"] *= 1e2
+
+    found = live(run(edit=edit))
+    assert [(f.step, f.layer, f.issue, f.cause) for f in found] == [
+        (50, "", "update_too_large", "optimizer")]
+
+
+def test_a_layer_the_optimizer_stopped_moving_is_stalled() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step >= 60:
+            values["fc2"]["update"] = 0.0
+
+    found = live(run(edit=edit))
+    assert [(f.step, f.layer, f.tensor, f.issue, f.cause) for f in found] == [
+        (60, "fc2", "weight", "stalled", "optimizer")]
+
+
+def test_a_zero_update_everywhere_at_the_start_of_a_warmup_is_no_finding() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step == 0:
+            for layer in LAYERS:
+                values[layer]["update"] = 0.0
+
+    assert live(run(edit=edit)) == []
+
+
+def test_a_loss_spike_with_no_tensor_moving_comes_from_the_data() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step == 60:
+            values["loss"] *= 20
+
+    found = live(run(edit=edit))
+    assert [(f.step, f.layer, f.issue, f.cause) for f in found] == [
+        (60, "loss", "loss_spike", "data")]
+
+
+def test_a_loss_spike_after_an_event_names_its_source() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step >= 60:
+            values["fc3"]["grad"] *= 1e3
+        if step == 61:
+            values["loss"] *= 20
+
+    found = live(run(edit=edit))
+    assert [(f.step, f.layer, f.issue) for f in found] == [(60, "fc3", "exploding"),
+                                                          (61, "fc3", "loss_spike")]
+    assert found[1].cause == "layer"
+
+
+def test_a_nonfinite_loss_with_finite_gradients_names_the_loss() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step == 30:
+            values["loss"] = math.inf
+
+    found = live(run(edit=edit))
+    assert [(f.step, f.layer, f.issue, f.cause) for f in found] == [
+        (30, "loss", "nonfinite", "numerics")]
+
+
+def test_a_nan_step_is_left_out_and_does_not_poison_the_baselines() -> None:
+    steps = run()
+    steps[40] = [r._replace(norm=math.nan, nan=True) if r.layer == "fc1" else r
+                 for r in steps[40]]
+    assert live(steps) == []
+
+
+def test_steps_a_loss_scaler_skipped_are_left_out() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step == 50:
+            for layer in LAYERS:
+                values[layer]["grad"] *= 1e5
+
+    skipped = {50: [Event(50, "", "", -1, EventKind.SKIPPED_STEP.value, "scale=65536.0")]}
+    assert live(run(edit=edit), events=skipped) == []
+
+
+def test_units_that_die_mid_run_are_dead_two_steps_later_naming_the_deepest() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step >= 50:  # fc2's units die: no gradient reaches fc2 or anything below it
+            for layer in ("fc0", "fc1", "fc2"):
+                values[layer]["grad"] = 0.0
+
+    found = [f for f in live(run(edit=edit)) if f.issue == "dead"]
+    assert [(f.step, f.layer, f.cause) for f in found] == [(51, "fc2", "layer")]
+    assert "2 layer(s) below it" in found[0].message
+
+
+def test_the_replay_of_a_frame_gives_what_the_live_rules_gave() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step >= 40:
+            values["fc1"]["weight"] *= 1e4
+            values["fc1"]["grad"] *= 1e-4
+        if step == 70:
+            values["loss"] *= 30
+
+    steps = run(edit=edit)
+    online = live(steps)
+    assert len(online) == 2
+    history = {(f.step, f.layer, f.tensor, f.issue, f.cause) for f in online}
+    assert history <= {(f.step, f.layer, f.tensor, f.issue, f.cause) for f in replayed(steps)}
+
+
+def test_slow_drift_over_orders_of_magnitude_never_fires() -> None:
+    def edit(step: int, values: dict) -> None:
+        for d, layer in enumerate(LAYERS):  # 1e5 over 400 steps: 3% a step
+            values[layer]["grad"] *= 10 ** (-5 * step / 400) * (d + 1)
+
+    assert live(run(400, edit=edit)) == []
+
+
+@pytest.mark.parametrize("changes", [{"history_window": 2.5}, {"history_numel": 16.0},
+                                     {"loss_sigma": -1.0}, {"history_factor": 0}])
+def test_unusable_history_thresholds_are_refused(changes: dict) -> None:
+    with pytest.raises(ConfigError):
+        Thresholds().replace(**changes)
+
+
+def test_weights_that_jump_together_with_no_update_known_are_one_global_finding() -> None:
+    def edit(step: int, values: dict) -> None:
+        for layer in LAYERS:
+            values[layer]["update"] = math.nan  # a tape loop: no optimizer view
+            if step >= 50:  # a learning rate x1e4 moves every weight far
+                values[layer]["weight"] *= 100
+
+    found = live(run(edit=edit))
+    assert [(f.step, f.layer, f.issue, f.cause) for f in found] == [
+        (50, "", "update_too_large", "optimizer")]
