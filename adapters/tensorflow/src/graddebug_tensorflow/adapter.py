@@ -12,7 +12,10 @@ Under a ``tf.distribute`` strategy of several replicas (:mod:`.distributed`), ea
 records its layer outputs into its own copy of the buffers, and its rows carry its index in
 ``rank``; parameter rows are those of the all-reduced gradients, recorded once. Under loss
 scaling (:mod:`.scaling`) the scale is divided out of every statistic, and the steps a
-``LossScaleOptimizer`` skips are marked.
+``LossScaleOptimizer`` skips are marked. Around the optimizer's ``apply``, :mod:`.updates`
+samples the watched variables, for the norms of the weights and of the update on their rows.
+Under ``fit``, the loss that ``compute_loss`` returns is written into the buffers too, for
+the callback's loss rows.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from graddebug_tensorflow.ops.capture import OpCapture
 from graddebug_tensorflow.outputs import keeps_finite
 from graddebug_tensorflow.params import Param, ParamSet
 from graddebug_tensorflow.scaling import LossScale, note_step
+from graddebug_tensorflow.updates import UpdateView
 from graddebug_tensorflow.watching import OutputWatch
 
 __all__ = ["TensorFlowAdapter"]
@@ -98,9 +102,10 @@ class TensorFlowAdapter(BaseAdapter):
             None if options.layers is None else list(self._targets),
             options.keep, options.param_stats == "full", graph_unread=unwrapped,
         )
+        self._updates = UpdateView(self._buffers)
         self._closer = StepCloser(context, self._buffers, self._params, self._outputs,
                                   self._gates, options.every, self._fail_open,
-                                  self._param_depth)
+                                  self._param_depth, self._updates)
 
     def _graph_unwrapped(self) -> set[str]:
         """The layers whose outputs a graph leaves unwatched.
@@ -207,12 +212,58 @@ class TensorFlowAdapter(BaseAdapter):
                 else list(getattr(optimizer, "_trainable_variables", []))
             )
             before = self._on_apply(grads, variables)
+            sampled = self._before_update(variables)
             result = original(grads, trainable_variables)
+            if sampled is not None:
+                self._after_update(sampled)
             if before is not None:
                 self._on_scaled_step(before)
             return result
 
         self._patch(optimizer, "apply", apply)
+
+    def take_loss(self, model: Any) -> None:
+        """Record the loss that ``model.compute_loss`` returns in training (what ``fit``'s
+        ``train_step`` differentiates, before any loss scaling), in the compiled step itself:
+        :meth:`step_loss` gives it after the close. Keras' ``logs["loss"]`` is the running
+        mean over the epoch, weighted by batch size, so it cannot give a batch's loss exactly.
+
+        Only calls that say ``training=True`` count (``evaluate`` and ``fit``'s validation
+        call it with False). A ``train_step`` of one's own that does not call
+        ``compute_loss`` records no loss; nor does an override of it without the
+        ``training`` argument.
+        """
+        if any(p.obj is model and p.attr == "compute_loss" for p in self._patches):
+            return
+        original = getattr(model, "compute_loss", None)
+        if not callable(original):
+            return
+        buffers = self._buffers
+        loss_var = buffers.ensure_loss()
+
+        @functools.wraps(original)
+        def compute_loss(*args: Any, **kwargs: Any) -> Any:
+            loss = original(*args, **kwargs)
+            training = kwargs.get("training", args[4] if len(args) > 4 else False)
+            if training is True and loss is not None and (
+                    not tf.executing_eagerly() or self._ctx.recording):
+                with self._fail_open("loss"):
+                    value = tf.cast(tf.stop_gradient(tf.reshape(loss, [])), tf.float64)
+
+                    def write() -> tf.Tensor:
+                        buffers.local(loss_var).assign_add(
+                            tf.stack([value, tf.constant(1.0, tf.float64)]))
+                        return tf.constant(True)
+
+                    self._gates.when_recording(write)
+            return loss
+
+        self._patch(model, "compute_loss", compute_loss)
+
+    def step_loss(self) -> float | None:
+        """The mean loss that ``compute_loss`` returned in the step closed last (see
+        :meth:`take_loss`); None where it returned none."""
+        return self._closer.loss
 
     def has_pending(self) -> bool:
         """Whether a gradient was recorded since the last step closed (one read of the
@@ -272,7 +323,8 @@ class TensorFlowAdapter(BaseAdapter):
         """A Keras callback for ``model.fit`` that closes a step after each batch."""
         from graddebug_tensorflow.callbacks import GradDebugCallback
 
-        return GradDebugCallback(self._ctx.watcher, self.take_gradients, **options)
+        return GradDebugCallback(self._ctx.watcher, self.take_gradients, **options,
+                                 take_loss=self.take_loss, step_loss=self.step_loss)
 
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
         """Pass ``tensor`` through the identity that records (and alters) its gradient."""
@@ -303,6 +355,28 @@ class TensorFlowAdapter(BaseAdapter):
             self._gates.when_recording(lambda: self._params.write_applied(pairs, scale))
             return scale if loss_scale is not None and loss_scale.dynamic else None
         return None
+
+    def _before_update(self, variables: list[Any]) -> list[tuple[int, Any]] | None:
+        """Before an ``apply``: keep the samples of the watched variables it updates (see
+        :mod:`.updates`); returns them as ``(row, variable)``, or None where nothing is
+        sampled."""
+        if tf.executing_eagerly() and not self._ctx.recording:
+            return None
+        with self._fail_open("optimizer"):
+            view = self._updates
+            view.resolve([p.var for p in self._params.resolve()])
+            pairs = self._params.rows_of(variables)
+            if not view.active or not pairs:
+                return None
+            self._gates.when_recording(lambda: view.before(pairs))
+            return pairs
+        return None
+
+    def _after_update(self, pairs: list[tuple[int, Any]]) -> None:
+        """After an ``apply``: write the rows of the weights and the update it applied."""
+        with self._fail_open("optimizer"):
+            view = self._updates
+            self._gates.when_recording(lambda: view.after(pairs))
 
     def _on_scaled_step(self, before: Any) -> None:
         """After a ``LossScaleOptimizer``'s apply: note whether it skipped the step."""

@@ -12,7 +12,9 @@ and zeroes the buffers. An eager step's sentinel rows are gathered by
 Under a ``tf.distribute`` strategy of several replicas, every buffer is a variable with one
 copy per replica (``synchronization=ON_READ``, no aggregation): each replica writes its own
 copy (:meth:`StateBuffers.local`), and closing a step reads them all, still in one transfer.
-A loss-scaling optimizer adds one small row (:class:`ScalerCol`).
+A loss-scaling optimizer adds one small row (:class:`ScalerCol`); the optimizer's view of the
+weights (:mod:`.updates`) one row per watched variable (:class:`UpdateCol`); the loss of
+``fit``'s batches one row per replica (:class:`LossCol`).
 
 A compiled step cannot ask the Watcher whether it is recorded, or which statistics it
 measures: :class:`StepGates` holds those answers in variables that it reads.
@@ -29,7 +31,8 @@ import tensorflow as tf
 from graddebug_tensorflow.distributed import replica_index
 from graddebug_tensorflow.stats import ACT_WIDTH, PARAM_WIDTH, compiled, flat_entry
 
-__all__ = ["CHUNK", "SCALER_WIDTH", "Rows", "ScalerCol", "StateBuffers", "StepGates"]
+__all__ = ["CHUNK", "LOSS_WIDTH", "SCALER_WIDTH", "UPDATE_WIDTH", "LossCol", "Rows",
+           "ScalerCol", "StateBuffers", "StepGates", "UpdateCol"]
 
 CHUNK = 64
 
@@ -46,6 +49,27 @@ class ScalerCol:
 SCALER_WIDTH = 4
 
 
+class UpdateCol:
+    """Columns of a watched variable's row of the optimizer's view (see :mod:`.updates`)."""
+
+    SEEN = 0  # 1 once an apply (or the close) sampled the variable in the step
+    WEIGHT_SQ = 1  # sum of squares of the sampled weights before the step's first apply
+    UPDATE_SQ = 2  # sum of squares of the sampled change since then (-1: no apply seen)
+
+
+UPDATE_WIDTH = 3
+
+
+class LossCol:
+    """Columns of the loss row (one per replica)."""
+
+    SUM = 0  # the sum of the losses ``compute_loss`` returned in the step
+    COUNT = 1  # how many it returned
+
+
+LOSS_WIDTH = 2
+
+
 class Rows(NamedTuple):
     """A step's rows as read back on the host.
 
@@ -53,11 +77,17 @@ class Rows(NamedTuple):
         acts: Activation rows, shape ``(replicas, rows, ACT_WIDTH)``.
         params: Parameter rows (replica 0's: the one that writes them), then the source row.
         scaler: The loss scaler's row (replica 0's), empty without a loss scaler.
+        updates: The optimizer's view of the watched variables (replica 0's), shape
+            ``(params, UPDATE_WIDTH)``; no rows where it is not measured.
+        loss: The loss rows, shape ``(replicas, LOSS_WIDTH)``; no rows where no loss is
+            captured.
     """
 
     acts: np.ndarray
     params: np.ndarray
     scaler: np.ndarray
+    updates: np.ndarray = np.zeros((0, UPDATE_WIDTH))
+    loss: np.ndarray = np.zeros((1, 0))
 
 
 class StateBuffers:
@@ -76,6 +106,8 @@ class StateBuffers:
         self._rows = 0
         self.params: tf.Variable | None = None
         self.scaler: tf.Variable | None = None
+        self.updates: tf.Variable | None = None
+        self.loss: tf.Variable | None = None
         # flat() and clear() traced over the current variables (see _traced)
         self._traced: tuple[tuple[tf.Variable, ...], Any, Any] | None = None
 
@@ -154,9 +186,26 @@ class StateBuffers:
                                             "graddebug_scaler")
         return self.scaler
 
+    def ensure_updates(self, count: int) -> tf.Variable:
+        """Return the rows of the optimizer's view (see :class:`UpdateCol`), (re)created for
+        ``count`` variables."""
+        if self.updates is None or self.updates.shape[0] != count:
+            with tf.init_scope():
+                self.updates = self.variable(tf.zeros([count, UPDATE_WIDTH], tf.float64),
+                                             "graddebug_updates")
+        return self.updates
+
+    def ensure_loss(self) -> tf.Variable:
+        """Return the loss row (see :class:`LossCol`), created on first use."""
+        if self.loss is None:
+            with tf.init_scope():
+                self.loss = self.variable(tf.zeros([LOSS_WIDTH], tf.float64), "graddebug_loss")
+        return self.loss
+
     def _variables(self) -> list[tf.Variable]:
         """Every buffer variable, in the order :meth:`flat` concatenates them."""
-        return [*self._chunks, *(v for v in (self.params, self.scaler) if v is not None)]
+        return [*self._chunks, *(v for v in (self.params, self.scaler, self.updates, self.loss)
+                                 if v is not None)]
 
     def flat(self) -> tf.Tensor | None:
         """Every buffer of every replica in one flat tensor (eagerly or inside a graph), for
@@ -176,10 +225,18 @@ class StateBuffers:
         per_replica = flat.reshape(self.replicas, -1)
         split = len(self._chunks) * CHUNK * ACT_WIDTH
         acts = per_replica[:, :split].reshape(self.replicas, -1, ACT_WIDTH)[:, : self._rows]
-        rest = per_replica[0, split:]
+        # The small buffers after the chunks, taken from the end in reverse order of flat().
+        end = per_replica.shape[1]
+        loss = per_replica[:, end - LOSS_WIDTH:] if self.loss is not None \
+            else per_replica[:, :0]
+        end -= loss.shape[1]
+        size = 0 if self.updates is None else int(self.updates.shape[0]) * UPDATE_WIDTH
+        updates = per_replica[0, end - size:end].reshape(-1, UPDATE_WIDTH)
+        end -= size
+        rest = per_replica[0, split:end]
         scaler = rest[len(rest) - SCALER_WIDTH:] if self.scaler is not None else rest[:0]
         params = rest[: len(rest) - len(scaler)].reshape(-1, PARAM_WIDTH)
-        return Rows(acts, params, scaler)
+        return Rows(acts, params, scaler, updates, loss)
 
     def _traced_pair(self) -> tuple[Any, Any] | None:
         """:meth:`flat` and :meth:`clear` as ``tf.function`` calls, traced once per set of

@@ -22,10 +22,11 @@ import tensorflow as tf
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import keep_label
 from graddebug.records import Event, EventKind, Kind, Record, sums_record
-from graddebug_tensorflow.captures import ScalerCol
+from graddebug_tensorflow.captures import LossCol, ScalerCol
 from graddebug_tensorflow.params import UNMEASURED
 from graddebug_tensorflow.scaling import given_scale
 from graddebug_tensorflow.stats import NOT_MEASURED, Col, compiled, flat_entry
+from graddebug_tensorflow.updates import update_columns
 
 if TYPE_CHECKING:
     from graddebug.adapter import WatchContext
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from graddebug_tensorflow.ops.capture import OpCapture
     from graddebug_tensorflow.outputs import Slot
     from graddebug_tensorflow.params import Param, ParamSet
+    from graddebug_tensorflow.updates import UpdateView
     from graddebug_tensorflow.watching import OutputWatch
 
 __all__ = ["StepCloser", "handed_over", "param_records", "skipped_step", "step_records"]
@@ -66,12 +68,20 @@ class StepCloser:
         every: Record one step in ``every``.
         fail_open: The adapter's fail-open guard, by where it runs.
         param_depth: The depth of a parameter's layer.
+        updates: The optimizer's view of the watched variables (their weight and update
+            norms), or None.
+
+    Attributes:
+        loss: The mean of the losses ``compute_loss`` returned in training in the step
+            closed last (summed over the replicas, each of which returns its share); None
+            where none was returned or the step was not recorded.
     """
 
     def __init__(self, context: WatchContext, buffers: StateBuffers, params: ParamSet,
                  outputs: OutputWatch, gates: StepGates, every: int,
                  fail_open: Callable[[str], FailOpen],
-                 param_depth: Callable[[Param], int]) -> None:
+                 param_depth: Callable[[Param], int],
+                 updates: UpdateView | None = None) -> None:
         self._ctx = context
         self._buffers = buffers
         self._params = params
@@ -80,6 +90,8 @@ class StepCloser:
         self._every = every
         self._fail_open = fail_open
         self._param_depth = param_depth
+        self._updates = updates
+        self.loss: float | None = None
         self._peeked: Rows | None = None  # see pending()
         self._fused_close: Any = None  # see _close_given
         # the fused close's concrete function and flat entry point, by which gradients are None
@@ -107,6 +119,7 @@ class StepCloser:
             GradientCountError: ``grads`` does not align with the watched variables.
         """
         peeked, self._peeked = self._peeked, None
+        self.loss = None
         try:
             if record:
                 self._outputs.flush()
@@ -139,6 +152,7 @@ class StepCloser:
         """The records and events of a step's rows; ``given``: whether ``step(grads)`` handed
         gradients over."""
         result = StepResult()
+        self.loss = _loss(rows.loss)
         slots = self._outputs.slots()
         for replica, acts in enumerate(rows.acts):
             step_records(step, slots, acts, result, replica)
@@ -147,7 +161,10 @@ class StepCloser:
         if (result.records and not given and params
                 and not handed_over(rows.params, len(params))):
             self._ctx.warn_once("no-param-grads", _NO_PARAM_GRADS)
-        param_records(step, params, rows.params, result, given, self._param_depth)
+        view = self._updates
+        factors = [s.factor for s in view.samples] if view is not None and view.active else []
+        param_records(step, params, rows.params, result, given, self._param_depth,
+                      rows.updates, factors)
         skipped = skipped_step(step, rows.scaler)
         if skipped is not None:
             result.events.append(skipped)
@@ -176,11 +193,17 @@ class StepCloser:
         """Write the rows of gradients handed to ``step(grads)``, read every buffer and
         zero it, in one call of one ``tf.function`` (traced once per model): in eager mode
         that is one dispatch and one transfer instead of a few dozen ops."""
+        if self._updates is not None:  # before the trace, which reads whether it is active
+            self._updates.resolve([p.var for p in self._params.resolve()])
         if self._fused_close is None:
-            buffers, params = self._buffers, self._params
+            buffers, params, view = self._buffers, self._params, self._updates
 
             def close(grads: list[Any], scale: Any) -> Any:
                 params.store_given(grads, scale)
+                if view is not None:
+                    # No optimizer in view: the weights as they are at the close, in the
+                    # same call and transfer (see graddebug_tensorflow.updates).
+                    view.weights([(i, p.var) for i, p in enumerate(params.resolve())])
                 flat = buffers.flat()  # read after the write, zeroed after the read
                 buffers.clear()
                 return flat
@@ -297,8 +320,16 @@ def handed_over(rows: np.ndarray, count: int) -> bool:
     return bool(len(rows) > count and rows[count, 0] > 0)
 
 
+def _loss(rows: np.ndarray) -> float | None:
+    """The step's loss from the loss rows (see :class:`~.captures.LossCol`), or None."""
+    if rows.shape[-1] == 0 or rows[0, LossCol.COUNT] <= 0:
+        return None
+    return float(rows[:, LossCol.SUM].sum() / rows[0, LossCol.COUNT])
+
+
 def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: StepResult,
-                  source: bool, depth: Callable[[Param], int]) -> None:
+                  source: bool, depth: Callable[[Param], int],
+                  updates: np.ndarray | None = None, factors: Sequence[float] = ()) -> None:
     """Add the records of parameter gradients to ``result``.
 
     Args:
@@ -310,9 +341,15 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
             optimizer); only then is a parameter without one reported as starved. The source
             row after the parameter rows says the same from inside a graph.
         depth: The depth of a parameter's layer.
+        updates: The rows of the optimizer's view, by parameter (see :mod:`.updates`), for
+            ``weight_norm`` and ``update_norm``; None or empty where not measured (NaN).
+        factors: What scales each parameter's sampled norms to its own
+            (:attr:`~.updates.Sample.factor`).
     """
     source = source or handed_over(rows, len(params))
-    for p, row in zip(params, rows.tolist(), strict=False):  # Python floats: no numpy scalars
+    measured = updates is not None and len(updates) == len(params) == len(factors)
+    for position, (p, row) in enumerate(
+            zip(params, rows.tolist(), strict=False)):  # Python floats: no numpy scalars
         if row[0] >= UNMEASURED:
             continue  # present, not read inside a graph (a batch norm's: see ParamSet)
         if row[0] <= 0:
@@ -324,9 +361,12 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
         if p.shape is None:  # a variable's shape is fixed: its text and size, once
             shape = tuple(int(d) for d in p.var.shape)
             p.shape = (str(shape), int(np.prod(shape, dtype=np.int64)))
+        weight, update = (update_columns(updates, position, factors[position])
+                          if measured and updates is not None else (math.nan, math.nan))
         result.records.append(sums_record(
             step, p.layer, p.tensor, _PARAMETER, depth(p), p.shape[0], p.shape[1],
             math.sqrt(sq) if sq >= 0 else math.nan, total, absmax, math.nan, math.isnan(sq),
-            math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sq)))
+            math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sq), math.nan, 0,
+            weight, update))
         if p.keep_var is not None:
             result.kept[keep_label(p.layer, p.tensor)] = p.keep_var.numpy().copy()

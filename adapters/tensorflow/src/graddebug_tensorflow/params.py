@@ -175,6 +175,11 @@ class ParamSet:
         return [(self._positions[id(v)], g) for g, v in zip(grads, variables, strict=False)
                 if id(v) in self._positions]
 
+    def rows_of(self, variables: Sequence[Any]) -> list[tuple[int, Any]]:
+        """``(row, variable)`` of the watched variables among ``variables``."""
+        self.resolve()
+        return [(self._positions[id(v)], v) for v in variables if id(v) in self._positions]
+
     def write_applied(self, pairs: list[tuple[int, Any]], scale: Any = None) -> tf.Tensor:
         """Write the rows of gradients an optimizer applies (eagerly or while tracing).
 
