@@ -136,3 +136,36 @@ def test_each_rank_streams_to_a_run_of_its_own(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "tb").iterdir()] == ["rank1"]  # rank 0's stays free
     events = _read(tmp_path / "tb" / "rank1")
     assert len(events.Tags()["scalars"]) == len(records)
+
+
+def test_the_loss_update_ratios_and_findings_are_written_at_their_steps(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    # wide enough that 1% of the parameters' entries samples every weight
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 256), torch.randint(0, 4, (64,))
+    losses = []
+    with graddebug.watch(model, tensorboard=tmp_path / "tb") as dbg:
+        for step in range(30):
+            if step == 25:  # a weight edited outside the optimizer
+                with torch.no_grad():
+                    model[2].weight.mul_(1e4)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            dbg.step(loss=loss)
+            losses.append(loss.item())
+    events = _read(tmp_path / "tb")
+    assert [e.value for e in events.Scalars("graddebug/loss")] == pytest.approx(losses)
+    frame = dbg.frame()
+    row = frame[(frame["layer"] == "2") & (frame["tensor"] == "weight") & (frame["step"] == 3)]
+    ratio = events.Scalars("graddebug/2.weight/update_ratio")
+    assert ratio[3].value == pytest.approx(
+        (row["update_norm"] / row["weight_norm"]).item(), rel=1e-6)
+    texts = events.Tensors("graddebug/findings/text_summary")
+    assert [t.step for t in texts] == [25]
+    assert b"2.weight" in texts[0].tensor_proto.string_val[0]

@@ -134,3 +134,23 @@ def test_compare_gives_per_tensor_ratios_b_over_a() -> None:
     assert list(table["layer"][:2]) == ["embed", "embed"]
     assert table["layer"].iloc[-1] == "new"
     assert isinstance(table, pd.DataFrame)
+
+
+
+
+def test_heatmap_marks_an_event_of_no_single_layer_on_the_step_axis() -> None:
+    from graddebug.capture.steps import loss_record
+    from graddebug.frames import finding_frame, record_frame
+    from graddebug.records import Finding
+    from graddebug.report.plots import heatmap_figure
+
+    rows = runs.records(steps=10)
+    frame = record_frame([*rows, *(loss_record(step, 1.0) for step in range(10))])
+    event = Finding(6, "", "", "update_too_large", "warning", 1e4, 10.0,
+                    "every layer's update/weight ratio jumped together", cause="optimizer")
+    fig = heatmap_figure(frame, finding_frame([event]))
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert "loss" not in labels  # the loss is no gradient
+    lines = [li for li in ax.lines if li.get_label() == "event of no single layer"]
+    assert len(lines) == 1 and list(lines[0].get_xdata()) == [6, 6]

@@ -121,9 +121,12 @@ class CallbackSession:
         watcher.__enter__()
         self.watcher = self._own = watcher
 
-    def close(self) -> ClosedStep:
+    def close(self, loss: Any = None) -> ClosedStep:
         """Close the graddebug step at an optimizer step. Parameter gradients are measured as
         the close finds them, after any unscaling or clipping in place since backward.
+
+        Args:
+            loss: The step's loss, where the host knows it by now.
 
         Returns:
             The norms to log and whether to stop.
@@ -132,7 +135,7 @@ class CallbackSession:
         if watcher is None or not watcher.active:
             return ClosedStep({}, False)
         step = watcher.step_index
-        result = watcher.step()
+        result = watcher.step(loss=loss)
         if result is None:
             return ClosedStep({}, False)
         metrics = ({f"graddebug/{r.layer}.{r.tensor}/norm": r.norm for r in result.records}
@@ -142,6 +145,12 @@ class CallbackSession:
             self.stop_reason = stop_reason(watcher.findings(), step, result)
             log.warning(self.stop_reason)
         return ClosedStep(metrics, stop)
+
+    def record_loss(self, loss: Any) -> None:
+        """The loss of the step closed last, for hosts that report it after the close."""
+        watcher = self.watcher
+        if watcher is not None and watcher.active and loss is not None:
+            watcher.record_loss(loss)
 
     def finish(self, exception: BaseException | None = None) -> None:
         """Training ended (or failed): leave the Watcher this session entered, if any."""

@@ -11,7 +11,10 @@ For each recorded step and each tensor, the scalar ``graddebug/<layer>.<tensor>/
 tags the Lightning and Trainer callbacks log), and for each kind (activation, parameter) the
 histogram ``graddebug/log10_norm/<kind>`` of log10 norms over the tensors of that step. Norms
 span many orders of magnitude across layers, so their log is what a histogram can show; zero
-and non-finite norms are left out of the histogram (the scalars keep them).
+and non-finite norms are left out of the histogram (the scalars keep them). Where they are
+known, also the step's loss (``graddebug/loss``) and each parameter's update/weight ratio
+(``graddebug/<layer>.<tensor>/update_ratio``), and each finding as text at the step it was
+first seen (``graddebug/findings``), so that an event shows on the step axis.
 
 The files are written with tensorboardX, imported only when used: the core imports no
 framework. tensorboardX itself imports torch when torch is installed.
@@ -32,10 +35,12 @@ import numpy as np
 from graddebug.errors import MissingFrameworkError
 from graddebug.frames import combine_ranks
 from graddebug.hookspecs import hookimpl
-from graddebug.records import Record
+from graddebug.records import Kind, Record
 
 if TYPE_CHECKING:
     import os
+
+    import pandas as pd
 
     from graddebug.adapter import CallbackContext, StepResult
     from graddebug.report.report import Report
@@ -51,6 +56,9 @@ __all__ = [
 # The writers of the live runs, by Watcher. Weak keys: a Watcher that is dropped without
 # leaving its block leaves no writer behind.
 _WRITERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+_LOSS = Kind.LOSS.value
 
 
 def _tensorboardx() -> ModuleType:
@@ -75,21 +83,51 @@ def histogram_tag(kind: str) -> str:
     return f"graddebug/log10_norm/{kind}"
 
 
-def _write_step(writer: Any, step: int,
-                rows: Iterable[tuple[str, str, str, float, int]]) -> None:
-    """Write one step: ``rows`` are (layer, tensor, kind, norm, rank)."""
+LOSS_TAG = "graddebug/loss"
+"""The scalar tag of the step's loss."""
+FINDINGS_TAG = "graddebug/findings"
+"""The text tag under which each finding is written at its step."""
+
+Row = tuple[str, str, str, float, int, float, float, float]
+"""(layer, tensor, kind, norm, rank, mean, weight_norm, update_norm) of one record."""
+
+
+def ratio_tag(layer: str, tensor: str) -> str:
+    """The scalar tag of one parameter's update/weight ratio."""
+    return f"graddebug/{layer}.{tensor}/update_ratio"
+
+
+def _write_step(writer: Any, step: int, rows: Iterable[Row]) -> None:
+    """Write one step's scalars and histograms."""
     by_kind: dict[str, list[float]] = {}
-    for layer, tensor, kind, norm, rank in rows:
+    for layer, tensor, kind, norm, rank, mean, weight, update in rows:
+        if kind == _LOSS:
+            writer.add_scalar(LOSS_TAG, float(mean), global_step=step)
+            continue
         writer.add_scalar(scalar_tag(layer, tensor, rank), float(norm), global_step=step)
         if math.isfinite(norm) and norm > 0:
             by_kind.setdefault(kind, []).append(math.log10(norm))
+        if weight > 0 and math.isfinite(update):
+            writer.add_scalar(ratio_tag(layer, tensor), float(update / weight),
+                              global_step=step)
     for kind, values in sorted(by_kind.items()):
         writer.add_histogram(histogram_tag(kind), np.asarray(values), global_step=step,
                              bins="auto")
 
 
-def _rows(records: Iterable[Record]) -> list[tuple[str, str, str, float, int]]:
-    return [(r.layer, r.tensor, r.kind, r.norm, r.rank) for r in records]
+def _write_findings(writer: Any, findings: pd.DataFrame) -> None:
+    """Write each finding as text at its step."""
+    for step, layer, tensor, issue, cause, message in zip(
+            findings["step"], findings["layer"], findings["tensor"], findings["issue"],
+            findings["cause"], findings["message"], strict=True):
+        where = f"{layer}.{tensor}" if tensor else (layer or "every layer")
+        writer.add_text(FINDINGS_TAG, f"**{issue}** at `{where}` (cause: {cause or '-'}): "
+                                      f"{message}", global_step=int(step))
+
+
+def _rows(records: Iterable[Record]) -> list[Row]:
+    return [(r.layer, r.tensor, r.kind, r.norm, r.rank, r.mean, r.weight_norm, r.update_norm)
+            for r in records]
 
 
 def write_report(report: Report, log_dir: str | os.PathLike[str]) -> Path:
@@ -110,10 +148,12 @@ def write_report(report: Report, log_dir: str | os.PathLike[str]) -> Path:
     try:
         frame = combine_ranks(report.frame())  # a multi-rank run as its global view
         steps = frame["step"].to_numpy()
-        columns = frame[["layer", "tensor", "kind", "norm", "rank"]]
+        columns = frame[["layer", "tensor", "kind", "norm", "rank", "mean", "weight_norm",
+                         "update_norm"]]
         for step in np.unique(steps):
             _write_step(writer, int(step),
                         columns[steps == step].itertuples(index=False, name=None))
+        _write_findings(writer, report.findings())
     finally:
         writer.close()
     return Path(log_dir)
@@ -132,6 +172,7 @@ def graddebug_step_recorded(watcher: CallbackContext, step: int, result: StepRes
             log_dir = Path(log_dir) / f"rank{rank}"
         writer = _WRITERS[watcher] = _tensorboardx().SummaryWriter(logdir=str(log_dir))
     _write_step(writer, step, _rows(result.records))
+    _write_findings(writer, result.findings)
 
 
 @hookimpl

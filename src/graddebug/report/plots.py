@@ -54,6 +54,13 @@ def require_matplotlib() -> ModuleType:
     return matplotlib
 
 
+def _gradients(records: pd.DataFrame) -> pd.DataFrame:
+    """The gradient rows of a record frame: the loss rows are no gradient."""
+    if "kind" not in records:
+        return records
+    return records[records["kind"] != Kind.LOSS.value]
+
+
 def _rows(records: pd.DataFrame) -> pd.DataFrame:
     """One row per (layer, tensor, kind) in the summary's order: depth, activations first."""
     keys = records[["layer", "tensor", "kind", "depth"]].drop_duplicates(["layer", "tensor",
@@ -81,6 +88,7 @@ def flow_figure(records: pd.DataFrame, findings: pd.DataFrame) -> Figure:
     require_matplotlib()
     from matplotlib.figure import Figure
 
+    records = _gradients(records)
     rows = _rows(records)
     finite = records[np.isfinite(records["norm"]) & (records["norm"] > 0)]
     stats = finite.groupby(["layer", "tensor", "kind"], sort=False)["norm"].agg(
@@ -171,6 +179,7 @@ def heatmap_figure(records: pd.DataFrame, findings: pd.DataFrame,
     from matplotlib.colors import ListedColormap
     from matplotlib.figure import Figure
 
+    records = _gradients(records)
     rows = _rows(records)
     height = min(max(3.5, 0.2 * len(rows) + 1.8), 30.0)
     fig = Figure(figsize=(11.0, height), layout="constrained")
@@ -211,22 +220,27 @@ def _mark_findings(ax: Any, findings: pd.DataFrame, rows: pd.DataFrame, edges: n
         first_row.setdefault(layer, i)
         exact.setdefault((layer, tensor), i)
     seen: set[str] = set()
+    lined = False
     for severity, (marker, color) in _SEVERITY_STYLE.items():
         part = findings[findings["severity"] == severity]
         xs, ys = [], []
         for step, layer, tensor in zip(part["step"], part["layer"], part["tensor"],
                                        strict=True):
+            column = max(int(np.searchsorted(edges, step, side="right")) - 1, 0)
             row = exact.get((layer, tensor), first_row.get(layer))
-            if row is None:
+            if row is None:  # an event of no single layer (the optimizer, the loss)
+                ax.axvline(column, color=color, linestyle="--", linewidth=1.2, zorder=2,
+                           label=None if lined else "event of no single layer")
+                lined = True
                 continue
-            xs.append(max(int(np.searchsorted(edges, step, side="right")) - 1, 0))
+            xs.append(column)
             ys.append(row)
         if xs:
             label = f"{severity} finding" if severity not in seen else None
             seen.add(severity)
             ax.scatter(xs, ys, marker=marker, s=60, c=color, edgecolors="white",
                        linewidths=0.8, label=label, zorder=3)
-    if seen:
+    if seen or lined:
         ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
 
 

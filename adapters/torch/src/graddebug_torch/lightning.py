@@ -97,6 +97,12 @@ class GradDebugCallback(SessionResults, pl.Callback):
         if closed.stop:
             trainer.should_stop = True
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Record the loss that ``training_step`` returned, for the step just closed."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self._session.record_loss(loss)
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Stop watching: remove every hook."""
         self._session.finish()

@@ -20,6 +20,7 @@ are captured during ``backward``, so under a loss scaler they carry the scale.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,7 @@ class GradDebugCallback(SessionResults, TrainerCallback):
             stop_on=stop_on, log=log, watch_options=watch_options)
         self._trainer: Trainer | None = None
         self._pending: dict[str, float] = {}  # norms of the step, logged at its step end
+        self._loss: Any = None  # the open step's loss so far, where attach() follows it
 
     @classmethod
     def attach(cls, trainer: Trainer, *, stop_on: Iterable[str] | str = (), log: bool = True,
@@ -94,8 +96,22 @@ class GradDebugCallback(SessionResults, TrainerCallback):
         """
         callback = cls(stop_on=stop_on, log=log, **watch_options)
         callback._trainer = trainer
+        callback._follow_loss(trainer)
         trainer.add_callback(callback)
         return callback
+
+    def _follow_loss(self, trainer: Trainer) -> None:
+        """Sum what ``trainer.training_step`` returns over the micro-batches of each optimizer
+        step: the Trainer's own logged loss is that sum, averaged over the logged steps."""
+        original = trainer.training_step
+
+        @functools.wraps(original)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            loss = original(*args, **kwargs)
+            self._loss = loss if self._loss is None else self._loss + loss
+            return loss
+
+        trainer.training_step = training_step  # type: ignore[method-assign]
 
     # -- Trainer events -------------------------------------------------------------------------
 
@@ -110,7 +126,8 @@ class GradDebugCallback(SessionResults, TrainerCallback):
         """Close the graddebug step; keep its norms for logging and check ``stop_on``."""
         # Since backward, the Trainer may have unscaled (AMP) and clipped the gradients in
         # place; the close reads them as they are now, what the optimizer applies.
-        closed = self._session.close()
+        loss, self._loss = self._loss, None
+        closed = self._session.close(loss)
         if closed.metrics:
             self._pending = closed.metrics
         if closed.stop:
