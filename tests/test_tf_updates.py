@@ -127,9 +127,9 @@ def test_weight_and_update_norms_match_full_copies_under_fit():
 
 def test_a_variable_with_zero_gradients_gets_update_norm_zero():
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((400,))
-    live = keras.layers.Dense(10, name="live")(inputs)
-    dead = keras.layers.Dense(10, name="dead")(inputs)
+    inputs = keras.Input((400,))  # wide enough that each kernel's sample holds 32 entries
+    live = keras.layers.Dense(40, name="live")(inputs)
+    dead = keras.layers.Dense(40, name="dead")(inputs)
     model = keras.Model(inputs, live + 0.0 * dead)  # dead's gradients are exactly zero
     for opt in (keras.optimizers.SGD(0.1), keras.optimizers.Adam(1e-2)):
         frame, want = tape_loop(model, opt, 2, compiled=True)
@@ -248,3 +248,11 @@ def test_sampled_norms_are_the_documented_estimator_on_the_documented_entries():
         scale = math.sqrt(sample.numel / sample.count)
         assert got[key][0] == pytest.approx(np.linalg.norm(w) * scale, rel=1e-9)
         assert got[key][1] == pytest.approx(np.linalg.norm(u) * scale, rel=1e-9)
+
+
+def test_a_sample_too_small_to_estimate_is_left_out():
+    # 1% of 9,020 entries is 90: the 20-entry variable is taken whole, and the 23 entries left
+    # for each kernel are too few for an estimate: their norms stay NaN, as in torch.
+    counts = [s.count for s in plan_samples([3000, 3000, 3000, 20])]
+    assert counts == [0, 0, 0, 20]
+    assert [s.count for s in plan_samples([100_000, 20])] == [980, 20]

@@ -258,7 +258,7 @@ def test_dbg_callback_serves_a_watcher_the_with_block_owns(lit) -> None:
         lit.trainer([callback], max_steps=3).fit(module, lit.loader())
         assert dbg.active  # fit's end leaves the Watcher to its with block
     assert callback.watcher is dbg
-    assert set(dbg.frame()["kind"]) == {"parameter"}
+    assert set(dbg.frame()["kind"]) == {"parameter", "loss"}  # the callback passes the loss
     for step, ref in enumerate(expected):
         assert_close(param_norms(dbg.frame(), step), ref["params"])
 

@@ -82,6 +82,10 @@ class Sample:
         return (self.stride // 2 + j * self.stride) % self.numel
 
 
+FEWEST = 32
+"""The fewest entries a variable's sample may hold, unless it is taken whole."""
+
+
 def _is_prime(n: int) -> bool:
     if n < 2:
         return False
@@ -105,7 +109,8 @@ def plan_samples(sizes: Sequence[int], budget: float = BUDGET) -> list[Sample]:
 
     Returns:
         One :class:`Sample` per variable, in the order of ``sizes``; a variable gets none
-        (``count == 0``) only where the budget is smaller than the number of variables.
+        (``count == 0``) where its share of the budget is below :data:`FEWEST` entries and
+        below its size.
     """
     left = math.floor(sum(sizes) * budget)
     counts = [0] * len(sizes)
@@ -115,6 +120,10 @@ def plan_samples(sizes: Sequence[int], budget: float = BUDGET) -> list[Sample]:
         share = left // (len(order) - rank)
         counts[i] = min(sizes[i], share)
         left -= counts[i]
+    # An estimate from a handful of entries is noise (a sampled entry of a dead unit's row
+    # reads an update of 0): a variable that cannot have FEWEST, and is not taken whole, gets
+    # none and NaN norms, as in the torch adapter.
+    counts = [0 if 0 < c < min(FEWEST, n) else c for c, n in zip(counts, sizes, strict=True)]
     samples, offset = [], 0
     for numel, count in zip(sizes, counts, strict=True):
         stride = 1 if count in (0, numel) else _stride(numel, count)
