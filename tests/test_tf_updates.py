@@ -251,8 +251,7 @@ def test_sampled_norms_are_the_documented_estimator_on_the_documented_entries():
 
 
 def test_a_sample_too_small_to_estimate_is_left_out():
-    # 1% of 9,020 entries is 90: the 20-entry variable is taken whole, and the 23 entries left
-    # for each kernel are too few for an estimate: their norms stay NaN, as in torch.
-    counts = [s.count for s in plan_samples([3000, 3000, 3000, 20])]
-    assert counts == [0, 0, 0, 20]
+    # 1% of 1,520 entries is 15: equal shares give every variable 3 or 4 entries, too few for
+    # an estimate (and fewer than the 20-entry one holds): every norm stays NaN.
+    assert [s.count for s in plan_samples([500, 500, 500, 20])] == [0, 0, 0, 0]
     assert [s.count for s in plan_samples([100_000, 20])] == [980, 20]

@@ -82,7 +82,7 @@ class Sample:
         return (self.stride // 2 + j * self.stride) % self.numel
 
 
-FEWEST = 32
+FEWEST = 8
 """The fewest entries a variable's sample may hold, unless it is taken whole."""
 
 
@@ -122,7 +122,7 @@ def plan_samples(sizes: Sequence[int], budget: float = BUDGET) -> list[Sample]:
         left -= counts[i]
     # An estimate from a handful of entries is noise (a sampled entry of a dead unit's row
     # reads an update of 0): a variable that cannot have FEWEST, and is not taken whole, gets
-    # none and NaN norms, as in the torch adapter.
+    # none and NaN norms. 8 keeps the kernels of the small Keras references sampled.
     counts = [0 if 0 < c < min(FEWEST, n) else c for c, n in zip(counts, sizes, strict=True)]
     samples, offset = [], 0
     for numel, count in zip(sizes, counts, strict=True):
