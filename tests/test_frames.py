@@ -28,7 +28,8 @@ def test_pre_norm_column_only_where_an_intervention_acted() -> None:
     assert "pre_norm" not in record_frame([plain]).columns
     frame = record_frame([plain, clipped])
     # pre_norm comes before rank; the columns appended after rank stay after it
-    assert list(frame.columns)[-4:] == ["pre_norm", "rank", "weight_norm", "update_norm"]
+    assert list(frame.columns)[-5:] == ["pre_norm", "rank", "weight_norm", "update_norm",
+                                        "clipped_norm"]
     assert math.isnan(frame["pre_norm"][0])
     assert frame["pre_norm"][1] == 5.0
 

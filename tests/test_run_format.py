@@ -58,14 +58,14 @@ def test_runs_of_format_1_load_with_their_frames(run_dir: Path) -> None:
         # Format 1 came from one process and knew no source lines, causes or updates: the
         # columns appended since read as rank 0, NaN weight and update norms and, for events
         # and findings, an empty source; the findings' cause is the diagnosis's own.
-        appended = {"frame": ["rank", "weight_norm", "update_norm"],
+        appended = {"frame": ["rank", "weight_norm", "update_norm", "clipped_norm"],
                     "events": ["rank", "source"],
                     "findings": ["rank", "source", "cause"]}[name]
         assert list(got.columns)[-len(appended):] == appended, name
         assert (got["rank"] == 0).all(), name
         assert name == "frame" or (got["source"] == "").all(), name
         if name == "frame":
-            assert got[["weight_norm", "update_norm"]].isna().all().all()
+            assert got[["weight_norm", "update_norm", "clipped_norm"]].isna().all().all()
         if name == "findings":
             # a stored internal error names no cause
             assert set(got["cause"]) <= {"", *(c.value for c in Cause)}, got["cause"]

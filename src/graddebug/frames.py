@@ -159,7 +159,7 @@ def _pool_slices(act: pd.DataFrame) -> pd.DataFrame:
            "_sq": ("_sq", "sum"), "_sum": ("_sum", "sum"), "absmax": ("absmax", "max"),
            "zero_frac": ("zero_frac", "min"), "nan": ("nan", "any"), "inf": ("inf", "any"),
            "_birth": ("_birth", "min"), "weight_norm": ("weight_norm", "first"),
-           "update_norm": ("update_norm", "first")}
+           "update_norm": ("update_norm", "first"), "clipped_norm": ("clipped_norm", "first")}
     if "_pre" in parts:
         agg["_pre"] = ("_pre", "sum")
     out = grouped.agg(**agg).reset_index()

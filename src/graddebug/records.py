@@ -22,6 +22,7 @@ __all__ = [
     "FINDING_DTYPES",
     "RECORD_COLUMNS",
     "RECORD_DTYPES",
+    "WEIGHTED_DETAIL",
     "Cause",
     "Event",
     "EventKind",
@@ -84,6 +85,11 @@ class Record(NamedTuple):
             step, ``||w_after - w_before||``, so that ``update_norm / weight_norm`` is its
             update/weight ratio; NaN elsewhere and where not known (no optimizer step seen).
             Adapters may estimate both from a fixed sample of each tensor's entries.
+        clipped_norm: Parameter rows: the L2 norm of the gradient after the host clipped it
+            (the Hugging Face Trainer's ``max_grad_norm``, Lightning's ``gradient_clip_val``,
+            Keras ``clipnorm``/``global_clipnorm``), which is what the optimizer applied,
+            where graddebug knows that a clip acted on it; NaN elsewhere. ``norm`` is then the
+            gradient as the backward pass left it, before the clip: the diagnoses judge that.
     """
 
     step: int
@@ -104,6 +110,7 @@ class Record(NamedTuple):
     rank: int = 0
     weight_norm: float = float("nan")
     update_norm: float = float("nan")
+    clipped_norm: float = float("nan")
 
     @classmethod
     def from_sums(
@@ -126,6 +133,7 @@ class Record(NamedTuple):
         rank: int = 0,
         weight_norm: float = float("nan"),
         update_norm: float = float("nan"),
+        clipped_norm: float = float("nan"),
     ) -> Record:
         """Build a record from the sums adapters accumulate: the mean is ``total / numel`` and
         the population std follows from the norm and the mean, with no extra pass.
@@ -137,13 +145,15 @@ class Record(NamedTuple):
             (the others as in the class attributes)
         """
         return sums_record(step, layer, tensor, kind, depth, shape, numel, norm, total, absmax,
-                           zero_frac, nan, inf, pre_norm, rank, weight_norm, update_norm)
+                           zero_frac, nan, inf, pre_norm, rank, weight_norm, update_norm,
+                           clipped_norm)
 
 
 def sums_record(step: int, layer: str, tensor: str, kind: str, depth: int, shape: str,
                 numel: int, norm: float, total: float, absmax: float, zero_frac: float,
                 nan: bool, inf: bool, pre_norm: float = math.nan, rank: int = 0,
-                weight_norm: float = math.nan, update_norm: float = math.nan) -> Record:
+                weight_norm: float = math.nan, update_norm: float = math.nan,
+                clipped_norm: float = math.nan) -> Record:
     """:meth:`Record.from_sums` with positional arguments, for adapters that close tens of
     thousands of rows a step (a keyword call costs about as much as the arithmetic)."""
     mean = total / numel if numel else math.nan
@@ -153,13 +163,14 @@ def sums_record(step: int, layer: str, tensor: str, kind: str, depth: int, shape
     # tuple.__new__ skips the generated keyword-checking __new__: 3x faster.
     return tuple.__new__(Record, (step, layer, tensor, kind, depth, shape, numel, norm, mean,
                                   std, absmax, zero_frac, nan, inf and not nan, pre_norm, rank,
-                                  weight_norm, update_norm))
+                                  weight_norm, update_norm, clipped_norm))
 
 
 ALL_RANKS = -1
 """The ``rank`` of a row or finding that combines every rank of a multi-rank run."""
 
-RECORD_COLUMNS: tuple[str, ...] = (*Record._fields[:-4], "rank", "weight_norm", "update_norm")
+RECORD_COLUMNS: tuple[str, ...] = (*Record._fields[:-5], "rank", "weight_norm", "update_norm",
+                                   "clipped_norm")
 """The frame's columns in contract order; ``pre_norm`` comes before ``rank`` only where an
 intervention acted."""
 
@@ -169,7 +180,7 @@ RECORD_DTYPES: dict[str, str] = {
     "step": _I64, "layer": _OBJ, "tensor": _OBJ, "kind": _OBJ, "depth": _I64, "shape": _OBJ,
     "numel": _I64, "norm": _F64, "mean": _F64, "std": _F64, "absmax": _F64, "zero_frac": _F64,
     "nan": _BOOL, "inf": _BOOL, "pre_norm": _F64, "rank": _I64, "weight_norm": _F64,
-    "update_norm": _F64,
+    "update_norm": _F64, "clipped_norm": _F64,
 }
 """The pandas dtype of every :class:`Record` field, ``pre_norm`` included."""
 
@@ -184,7 +195,14 @@ class EventKind(str, Enum):
     UNREACHED = "unreached"
     """A layer's output required a gradient in forward, but no gradient reached it."""
     FORWARD_NONFINITE = "forward_nonfinite"
-    """A layer's output held NaN or Inf in the forward pass."""
+    """A layer's output held NaN or Inf in the forward pass. ``detail`` is ``"NaN"`` or
+    ``"Inf"``, followed by ``WEIGHTED_DETAIL`` (``"NaN; weighted"``) for a layer whose output is
+    fixed by its input and its own parameters (an affine map, a convolution, a lookup, a
+    normalisation): from a finite input, a NaN there was in its parameters."""
+    LAYER_INPUT_NONFINITE = "layer_input_nonfinite"
+    """A watched layer's input held NaN or Inf in the forward pass, and no recorded output
+    gave it that input: code between recorded layers made it (its parent's own forward).
+    ``tensor`` is ``"input.<i>"``; ``detail`` as for :attr:`FORWARD_NONFINITE`."""
     INPUT_NONFINITE = "input_nonfinite"
     """The watched model's input held NaN or Inf (``layer`` is ``"input"``, ``tensor`` names the
     argument: ``"args.0"``, ``"kwargs.pixel_values"``): the data, not the model."""
@@ -224,6 +242,10 @@ class Event(NamedTuple):
 
 
 EVENT_COLUMNS: tuple[str, ...] = Event._fields
+
+WEIGHTED_DETAIL = "; weighted"
+"""The suffix of a :attr:`EventKind.FORWARD_NONFINITE` detail from a layer whose output is fixed by
+its input and its own parameters."""
 
 EVENT_DTYPES: dict[str, str] = {
     "step": _I64, "layer": _OBJ, "tensor": _OBJ, "depth": _I64, "event": _OBJ, "detail": _OBJ,

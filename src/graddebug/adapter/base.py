@@ -51,7 +51,8 @@ class BaseAdapter:
 
     def _add_layers(self, named: Mapping[str, L], selected: Mapping[str, L],
                     channels_first: Callable[[L], bool],
-                    keeps_finite: Callable[[L], bool] | None = None) -> dict[str, L]:
+                    keeps_finite: Callable[[L], bool] | None = None,
+                    weighted: Callable[[L], bool] | None = None) -> dict[str, L]:
         """Register the ``layers=`` selection, plus every layer ``keep=``/``intervene=`` name.
 
         Args:
@@ -60,6 +61,8 @@ class BaseAdapter:
             channels_first: Whether a layer's outputs put units on axis 1.
             keeps_finite: Whether a layer cannot make a non-finite output from finite inputs,
                 so that its forward check can find nothing (None: every layer can).
+            weighted: Whether a layer's output is fixed by its input and its own parameters
+                (see :attr:`LayerSpec.weighted`; None: no layer is).
 
         Returns:
             The layers to hook, by name.
@@ -79,6 +82,7 @@ class BaseAdapter:
                 intervention=intervention,
                 capture=options.outputs or keep or intervention is not None,
                 check_forward=keeps_finite is None or not keeps_finite(layer),
+                weighted=weighted is not None and weighted(layer),
             )
         self._matched |= wanted
         return chosen

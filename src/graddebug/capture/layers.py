@@ -95,6 +95,9 @@ class LayerSpec:
         check_forward: Check its outputs for NaN/Inf in the forward pass. False for layers
             that cannot make a non-finite value from finite inputs (ReLU, dropout, max
             pooling, reshapes): a NaN or Inf they pass on is named at the layer that made it.
+        weighted: Its output is fixed by its input and its own parameters (an affine map, a
+            convolution, a lookup, a normalisation): a NaN it makes from a finite input was in
+            its parameters.
     """
 
     name: str
@@ -105,6 +108,7 @@ class LayerSpec:
     depth: int = -1
     mask_checked: bool = False
     check_forward: bool = True
+    weighted: bool = False
 
     def check_mask(self, mask: Any, target: Sequence[int | None], is_tensor: bool) -> None:
         """Check, at the first forward, that a mask tensor broadcasts to the output's gradient.

@@ -8,7 +8,7 @@ import pandas as pd
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.hookspecs import hookimpl
-from graddebug.records import Cause, EventKind, Finding, Issue, Kind, Severity
+from graddebug.records import WEIGHTED_DETAIL, Cause, EventKind, Finding, Issue, Kind, Severity
 
 _FORWARD_ADVICE = (
     "Look for log/sqrt/pow/division of non-positive or zero values, or overflow, in its "
@@ -19,6 +19,13 @@ _BACKWARD_ADVICE = (
     "Its forward values were finite, so a derivative blew up: look for sqrt, pow or division "
     "at 0 (d/dx sqrt(x) is inf at 0) and add an epsilon, or clip gradients."
 )
+_WEIGHTS_ADVICE = (
+    "Check its parameters with torch.isfinite(p).all() / tf.reduce_all(tf.math.is_finite(v)), "
+    "and what last wrote them: a checkpoint, an in-place edit, an update from outside the "
+    "optimizer."
+)
+_FORWARD_OUTPUT = EventKind.FORWARD_NONFINITE.value
+_BETWEEN = EventKind.LAYER_INPUT_NONFINITE.value
 _OP_FORWARD = EventKind.OP_NONFINITE.value
 _OP_BACKWARD = EventKind.OP_GRAD_NONFINITE.value
 
@@ -34,7 +41,11 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
     skipped = evidence.skipped_steps
     if skipped:
         bad_rows = bad_rows[~bad_rows["step"].isin(skipped)]
-    forward = events[events["event"] == EventKind.FORWARD_NONFINITE.value]
+    # Forward births: outputs, and layer inputs that code between recorded layers made NaN
+    # (an Inf there may be an additive mask, which is by design).
+    forward = events[(events["event"] == _FORWARD_OUTPUT)
+                     | ((events["event"] == _BETWEEN)
+                        & events["detail"].astype(str).str.startswith("NaN"))]
     op_events = events[events["event"].isin((_OP_FORWARD, _OP_BACKWARD))]
     if skipped:
         op_events = op_events[(op_events["event"] == _OP_FORWARD)
@@ -185,16 +196,7 @@ def origin_of(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
         The finding, or None when nothing in the step is non-finite.
     """
     if not forward.empty:
-        first = forward.sort_values("depth", kind="stable").iloc[0]
-        return finding(
-            Issue.NONFINITE, Severity.ERROR, step, first["layer"],
-            (
-                f"{first['layer']!r} is the first layer whose output held {first['detail']} in "
-                f"the forward pass (step {step}); every gradient behind it is poisoned. "
-                f"{_FORWARD_ADVICE}"
-            ),
-            tensor=first["tensor"], cause=Cause.NUMERICS
-        )
+        return _forward_origin(step, forward)
     if bad.empty:
         return None
     activations = bool((bad["kind"] == Kind.ACTIVATION.value).any())
@@ -221,3 +223,45 @@ def origin_of(step: int, bad: pd.DataFrame, forward: pd.DataFrame,
             )
         previous = row.layer
     return None
+
+
+def _forward_origin(step: int, forward: pd.DataFrame) -> Finding:
+    """The finding of a NaN/Inf born in the forward pass of ``step``: the first event in
+    forward order (a layer's input before its output), from ``forward``'s events of it."""
+    # A layer's own output comes after its input, whichever order the adapter listed them in.
+    order = forward.assign(_out=forward["event"] == _FORWARD_OUTPUT)
+    first = order.sort_values(["depth", "_out"], kind="stable").iloc[0]
+    layer, detail = str(first["layer"]), str(first["detail"])
+    what = detail.removesuffix(WEIGHTED_DETAIL)
+    if first["event"] == _BETWEEN:
+        parent = layer.rpartition(".")[0]
+        maker = (f"{parent!r} made it in its own forward, between its children"
+                 if parent else f"the model's own forward made it before {layer!r}")
+        return finding(
+            Issue.NONFINITE, Severity.ERROR, step, parent or layer,
+            (
+                f"the input of {layer!r} held {what} in the forward pass (step {step}) while "
+                f"every recorded output before it was finite: {maker}; every gradient behind "
+                f"it is poisoned. {_FORWARD_ADVICE}"
+            ),
+            tensor="" if parent else str(first["tensor"]), cause=Cause.NUMERICS
+        )
+    if detail.endswith(WEIGHTED_DETAIL) and what == "NaN":
+        return finding(
+            Issue.NONFINITE, Severity.ERROR, step, layer,
+            (
+                f"{layer!r} is the first layer whose output held NaN in the forward pass (step "
+                f"{step}), from a finite input. Its output is fixed by its input and its own "
+                "parameters, which cannot make a NaN from finite values: its parameters hold "
+                f"NaN/Inf, and every gradient behind it is poisoned. {_WEIGHTS_ADVICE}"
+            ),
+            tensor=str(first["tensor"]), cause=Cause.LAYER
+        )
+    return finding(
+        Issue.NONFINITE, Severity.ERROR, step, layer,
+        (
+            f"{layer!r} is the first layer whose output held {what} in the forward pass "
+            f"(step {step}); every gradient behind it is poisoned. {_FORWARD_ADVICE}"
+        ),
+        tensor=str(first["tensor"]), cause=Cause.NUMERICS
+    )

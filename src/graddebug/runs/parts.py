@@ -48,7 +48,8 @@ TEXT = frozenset({"object", "str", "string"})
 """Dtype names of text columns: pandas versions name the schema's ``object`` columns
 differently, and all three hold the same values."""
 
-OPTIONAL = frozenset({"pre_norm", "rank", "source", "cause", "weight_norm", "update_norm"})
+OPTIONAL = frozenset({"pre_norm", "rank", "source", "cause", "weight_norm", "update_norm",
+                      "clipped_norm"})
 """Schema columns a part or a spec may lack: ``pre_norm`` exists only where one acted, and runs
 written before ``rank``, ``source``, ``cause`` or the optimizer's columns existed lack them
 (they come from one process, rank 0, and knew no source lines, causes or updates)."""
@@ -56,7 +57,7 @@ written before ``rank``, ``source``, ``cause`` or the optimizer's columns existe
 
 _APPENDED_TEXT = ("source", "cause")
 """Text columns appended to the format after its first release, empty in older files."""
-_APPENDED_FLOAT = ("weight_norm", "update_norm")
+_APPENDED_FLOAT = ("weight_norm", "update_norm", "clipped_norm")
 """Number columns appended to the format after its first release, NaN in older files."""
 
 
