@@ -56,7 +56,8 @@ tg = _load()
 
 # The frame's columns as the README's DataFrame contract lists them, then `rank`.
 CONTRACT = ["step", "layer", "tensor", "kind", "depth", "shape", "numel", "norm", "mean", "std",
-            "absmax", "zero_frac", "nan", "inf", "rank", "weight_norm", "update_norm"]
+            "absmax", "zero_frac", "nan", "inf", "rank", "weight_norm", "update_norm",
+            "clipped_norm"]
 
 CAPABILITIES = [StepClock, GradientSource, Distributed, CompiledTiers, ReadAhead, Training,
                 SessionGraphs]

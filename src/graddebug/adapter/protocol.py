@@ -33,7 +33,7 @@ import numpy as np
 
 from graddebug.capture.layers import Intervention
 from graddebug.config import Thresholds
-from graddebug.records import FINDING_DTYPES, Event, Record
+from graddebug.records import FINDING_DTYPES, Event, Finding, Record
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,6 +47,7 @@ __all__ = [
     "Distributed",
     "Distribution",
     "GradientSource",
+    "HostSide",
     "ReadAhead",
     "SessionGraphs",
     "StepClock",
@@ -181,6 +182,27 @@ class Distribution:
 
 
 @dataclass
+class HostSide:
+    """What a training callback tells the Watcher about its host, for the steps it closes
+    (:attr:`CallbackContext.host`): a callback knows where its host's log lines go and how the
+    host clips the gradients after the step closed, which the Watcher does not.
+
+    Attributes:
+        notify: Where notice lines go instead of the ``graddebug`` logger (the host's logger);
+            None for that logger.
+        amend: Applied to each recorded step's rows before they are stored and diagnosed
+            (the host's clip filling ``clipped_norm``, :mod:`graddebug.integrations.clipping`);
+            None leaves them as the adapter made them.
+        findings: Called with each recorded step's new findings (the callbacks count them for
+            their logs), or None.
+    """
+
+    notify: Callable[[str], None] | None = None
+    amend: Callable[[list[Record]], list[Record]] | None = None
+    findings: Callable[[Sequence[Finding]], None] | None = None
+
+
+@dataclass
 class StepResult:
     """What a recorded step produced: ``Watcher.step()`` returns it (None for a step that
     ``every=`` skipped), and training callbacks read it."""
@@ -233,6 +255,10 @@ class CallbackContext(Protocol):
 
     def findings(self) -> pd.DataFrame:
         """The findings so far (callbacks that stop training on a finding read them)."""
+
+    @property
+    def host(self) -> HostSide:
+        """What a training callback says about its host (its logger, its clip)."""
 
 
 class WatchContext(Protocol):

@@ -5,10 +5,16 @@ the ``graddebug_step_recorded`` subscribers).
 The Watcher owns one :class:`Steps` and hands it the adapter once one is built; ``dbg.step()``,
 the optimizer given to ``watch(optimizer=...)`` and the end of the ``with`` block close steps
 through it.
+
+A recorded step that brings new findings gives one notice line (:func:`notice_line`), logged
+at WARNING through the ``graddebug`` logger; a training callback sends it through its host's
+logger instead (:attr:`HostSide.notify`), so that it is seen once. Silence it by the logger's
+level: ``logging.getLogger("graddebug").setLevel(logging.ERROR)``, in a callback too.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from enum import Enum
@@ -20,6 +26,7 @@ from graddebug.adapter import (
     Adapter,
     CallbackContext,
     CompiledTiers,
+    HostSide,
     ReadAhead,
     StepResult,
 )
@@ -29,11 +36,38 @@ from graddebug.capture.live import LiveFindings
 from graddebug.config import as_number
 from graddebug.errors import ConfigError, GradDebugError, WatcherStateError
 from graddebug.frames import finding_frame
-from graddebug.records import Kind, Record, sums_record
+from graddebug.records import Finding, Kind, Record, Severity, sums_record
 
-__all__ = ["StepState", "Steps", "loss_record", "loss_value"]
+__all__ = ["StepState", "Steps", "loss_record", "loss_value", "notice_line"]
 
 _LOSS = Kind.LOSS.value
+log = logging.getLogger("graddebug")
+_MORE = 3  # other findings a notice names, after the first
+
+
+def notice_line(findings: Sequence[Finding], step: int) -> str | None:
+    """The notice of the findings one step brought, or None when it brought none.
+
+    One line whatever their number: the most severe finding in full (step, layer and tensor,
+    issue, cause where known, and its message, which says what to try), then the others by
+    issue and place.
+    """
+    if not findings:
+        return None
+    rows = sorted(findings, key=lambda f: -Severity.rank(f.severity))
+
+    def place(f: Finding) -> str:
+        return f"{f.layer}.{f.tensor}" if f.tensor else f.layer or "(model)"
+
+    first = rows[0]
+    cause = first.cause or ""
+    line = (f"graddebug: step {step}: {first.issue} at {place(first)}"
+            f"{f' (cause: {cause})' if cause else ''}: {first.message}")
+    others = [f"{f.issue} at {place(f)}" for f in rows[1:]]
+    if others:
+        more = f" and {len(others) - _MORE} more" if len(others) > _MORE else ""
+        line += f" [also {', '.join(others[:_MORE])}{more}]"
+    return line
 
 
 def loss_value(loss: Any, where: str) -> float | None:
@@ -108,6 +142,8 @@ class Steps:
         self._live = live
         self._last_recorded: int | None = None
         self._loss_step: int | None = None  # the last recorded step that has a loss row
+        self.host = HostSide()
+        """What a training callback said about its host (see :class:`HostSide`)."""
 
     @property
     def adapter(self) -> Adapter | None:
@@ -181,10 +217,10 @@ class Steps:
             self._hooks.internal_error(exc, "live findings")
             return None
 
-    def _findings_of(self, step: int) -> Any:
-        """What ``StepResult.findings`` of ``step`` calls."""
+    def _findings_of(self, step: int) -> list[Finding]:
+        """The findings ``step`` brought (none where the live rules failed)."""
         found = self._judge(self._live.new, step)
-        return found if found is not None else finding_frame([])
+        return found if found is not None else []
 
     def by_optimizer(self) -> None:
         """Called by the adapter after each step of the optimizer given to ``watch``: close
@@ -226,14 +262,16 @@ class Steps:
                 with gc_paused():
                     result = adapter.close_step(step, grads, record=recording)
                     if recording:
+                        self._amend(result)
                         if loss is not None:
                             result.records.append(loss_record(step, loss))
                             self._loss_step = step
                         self._buffer.add(step, result)
                         self._last_recorded = step
                         self._judge(self._live.observe, step, result)
-                        result.diagnose = lambda: self._findings_of(step)
+                        result.diagnose = lambda: finding_frame(self._findings_of(step))
                         self._pick_tier(result)
+                        self._judge(self._notice, step, result)
                 if recording and hooks.escalation is not None:
                     self._escalate(result)
                 if recording:
@@ -243,6 +281,36 @@ class Steps:
             self._closed = by
         hooks.step += 1
         return result if recording else None
+
+    def _amend(self, result: StepResult) -> None:
+        """Let the host side change the step's rows (fail-open: they stay as they were)."""
+        amend = self.host.amend
+        if amend is None:
+            return
+        try:
+            result.records[:] = amend(result.records)
+        except Exception as exc:
+            self._hooks.internal_error(exc, "host clip")
+
+    def _notice(self, step: int, result: StepResult) -> None:
+        """Send the notice of the findings the step brought, once, where the host side says.
+
+        The step's findings are diagnosed here only where someone hears of them: a logger
+        that shows warnings, or a callback that counts them."""
+        host = self.host
+        if host.findings is None and not log.isEnabledFor(logging.WARNING):
+            return
+        found = self._findings_of(step)
+        result.diagnose = lambda: finding_frame(found)
+        if host.findings is not None:
+            host.findings(found)
+        line = notice_line(found, step) if found and log.isEnabledFor(logging.WARNING) else None
+        if line is None:
+            return
+        if host.notify is not None:
+            host.notify(line)
+        else:
+            log.warning(line)
 
     def _pick_tier(self, result: StepResult) -> None:
         """Let the rows of the step just recorded decide the next step's tier, and tell an

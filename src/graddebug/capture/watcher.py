@@ -12,7 +12,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 import pluggy
 
-from graddebug.adapter import Adapter, Distributed, Distribution, StepResult
+from graddebug.adapter import Adapter, Distributed, Distribution, HostSide, StepResult
 from graddebug.capture.buffer import RunBuffer
 from graddebug.capture.capabilities import follow, session_graphs, training
 from graddebug.capture.context import HookSide
@@ -227,6 +227,12 @@ class Watcher(RunResults):
         """Whether the current step is open, or was closed by ``dbg.step()`` or by the
         optimizer with nothing captured since."""
         return self._steps.state
+
+    @property
+    def host(self) -> HostSide:
+        """What a training callback closing this Watcher's steps says about its host: where
+        notice lines go and how the host clips (see :class:`graddebug.adapter.HostSide`)."""
+        return self._steps.host
 
     # -- steps --------------------------------------------------------------------------------
 
