@@ -3,6 +3,7 @@ row, and what the Watcher keeps once the block has ended."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -154,3 +155,59 @@ def test_a_bug_in_the_live_rules_fails_open(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(losses) == 3  # training went on
     assert "internal_error" in set(inside[2]["issue"])
     assert (dbg.frame()["kind"] == "loss").sum() == 3
+
+
+class _Clock:
+    """A clock the test moves: each step takes ``step`` seconds, each window diagnosis
+    ``diagnosis`` seconds."""
+
+    def __init__(self, step: float, diagnosis: float) -> None:
+        self.now, self.step, self.diagnosis = 0.0, step, diagnosis
+        self.diagnoses = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _window_runs(monkeypatch: pytest.MonkeyPatch, clock: _Clock, steps: int) -> list[int]:
+    """The steps after which the window rules ran, in a loop that reads every step's
+    findings on the clock ``clock``."""
+    from graddebug.capture import live
+
+    real = live.diagnose
+    ran: list[int] = []
+
+    def timed(records, *args, **kwargs):
+        ran.append(int(records["step"].max()))  # the latest step of the window
+        clock.now += clock.diagnosis
+        return real(records, *args, **kwargs)
+
+    monkeypatch.setattr(live, "_clock", clock)
+    monkeypatch.setattr(live, "diagnose", timed)
+
+    def read(step, result, dbg) -> None:
+        result.findings  # noqa: B018 - reading it is what runs the rules when due
+        clock.now += clock.step
+
+    train(tanh_mlp(), steps, every_result=read)
+    return ran
+
+
+def test_the_window_rules_run_every_window_when_they_are_cheap(monkeypatch) -> None:
+    # 1 s steps, diagnoses of no time: every history_window (20) steps.
+    assert _window_runs(monkeypatch, _Clock(1.0, 0.0), 61) == [0, 20, 40, 60]
+
+
+def test_the_window_rules_wait_while_they_would_cost_more_than_their_budget(
+        monkeypatch) -> None:
+    from graddebug.capture.live import WINDOW_BUDGET
+
+    # 0.5 s steps, 0.1 s diagnoses: a run waits until 0.1 / budget seconds of steps have
+    # passed since the last one ended, longer than history_window steps.
+    clock = _Clock(0.5, 0.1)
+    ran = _window_runs(monkeypatch, clock, 161)
+    wait = 0.1 / WINDOW_BUDGET / 0.5  # steps
+    assert wait > 20
+    gaps = [b - a for a, b in itertools.pairwise(ran)]
+    assert ran[0] == 0 and len(ran) >= 4, ran
+    assert all(wait <= g <= wait + 1 for g in gaps), ran  # +1: the float sum of step times

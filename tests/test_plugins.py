@@ -28,6 +28,23 @@ def test_installed_adapters_come_from_entry_points() -> None:
     assert "torch" in adapters
 
 
+def test_a_plugin_that_fails_to_import_is_left_out_with_a_warning(monkeypatch) -> None:
+    import importlib.metadata
+
+    from graddebug.errors import GradDebugWarning
+
+    real = list(importlib.metadata.entry_points(group="graddebug"))
+    broken = importlib.metadata.EntryPoint("broken", "graddebug_no_such_module.plugin",
+                                           "graddebug")
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group: [broken, *real] if group == "graddebug" else [])
+    with pytest.warns(GradDebugWarning, match="'broken'.*failed to load.*ModuleNotFoundError"):
+        pm = new_plugin_manager()
+    names = {name for name, _ in pm.list_name_plugin()}
+    assert "broken" not in names
+    assert "torch" in names  # the installed adapters still load
+
+
 class EverythingIsSlow:
     """A third-party detector: one finding per recorded step."""
 

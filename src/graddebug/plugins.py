@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
+import warnings
 from typing import TYPE_CHECKING
 
 import pluggy
 
 from graddebug import hookspecs
-from graddebug.errors import NoAdapterError
+from graddebug.errors import GradDebugWarning, NoAdapterError
 
 if TYPE_CHECKING:
     from graddebug.adapter import AdapterFactory
@@ -54,9 +56,28 @@ def new_plugin_manager(*, entry_points: bool = True) -> pluggy.PluginManager:
     for name in DEFAULT_PLUGINS:
         pm.register(importlib.import_module(name), name=name.rsplit(".", 1)[-1])
     if entry_points:
-        pm.load_setuptools_entrypoints(PROJECT)
+        _load_entry_points(pm)
     pm.check_pending()
     return pm
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    """Register the plugins of the ``graddebug`` entry-point group. One that fails to import
+    (a half-installed or broken package) is left out with a warning that names it, so that
+    it does not take the other frameworks down with it."""
+    for ep in importlib.metadata.entry_points(group=PROJECT):
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:
+            where = f" of {ep.dist.name} {ep.dist.version}" if ep.dist is not None else ""
+            warnings.warn(GradDebugWarning(
+                f"graddebug: the plugin {ep.name!r}{where} ({ep.value}) failed to load and is "
+                f"left out: {type(exc).__name__}: {exc}. Reinstall or uninstall that package."
+            ), stacklevel=3)
+            continue
+        pm.register(plugin, name=ep.name)
 
 
 @functools.cache
@@ -73,6 +94,9 @@ KNOWN_FRAMEWORKS: dict[str, tuple[str, str]] = {
     "torch": ("torch", "pip install graddebug[torch]"),
     "tensorflow": ("tensorflow", "pip install graddebug[tensorflow]"),
     "keras": ("tensorflow", "pip install graddebug[tensorflow]"),
+    "jax": ("jax", "pip install graddebug[jax]"),
+    "jaxlib": ("jax", "pip install graddebug[jax]"),
+    "flax": ("jax", "pip install graddebug[jax]"),
 }
 """Frameworks graddebug serves, by top-level module: the adapter's name and its install hint."""
 

@@ -10,7 +10,8 @@ Two kinds of rules speak while a run records:
   which this module keeps: at once when ``dbg.findings()`` asks, and when due for a step's
   own ``StepResult.findings`` (see :meth:`LiveFindings.new`). One such diagnosis costs some
   tens of milliseconds on a small model, whatever the length of the run
-  (``benchmarks/live_findings.py``).
+  (``benchmarks/live_findings.py``); when due, it waits until it costs at most
+  :data:`WINDOW_BUDGET` of the time the steps took since the last one.
 
 A finding is reported once: a later window that shows the same issue at the same tensor adds
 nothing, and the steps after a NaN (every gradient behind one is poisoned) add no new
@@ -21,6 +22,7 @@ and keeps every finding reported live.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -32,16 +34,22 @@ from graddebug.config import Thresholds
 from graddebug.detectors._steprows import StepRows
 from graddebug.detectors.history import History
 from graddebug.diagnosis import diagnose
-from graddebug.frames import event_frame, finding_frame, record_frame
+from graddebug.frames import event_frame, record_frame
 from graddebug.records import Event, Finding, Issue, Record
 
-__all__ = ["HISTORY_PLUGIN", "LiveFindings", "as_findings"]
+__all__ = ["HISTORY_PLUGIN", "WINDOW_BUDGET", "LiveFindings", "as_findings"]
 
 HISTORY_PLUGIN = "history"
 """The plugin name of the history rules, which run as steps close, not over windows."""
 
-_NONFINITE = Issue.NONFINITE.value
+WINDOW_BUDGET = 0.005
+"""The largest share of a run's time that the window rules take when a step's findings are
+read on every step: a diagnosis that took 50 ms waits for 10 s of steps since the last one,
+200 steps of 50 ms, or ``history_window`` steps where those take longer. A structural event
+or a NaN runs them at once."""
 
+_NONFINITE = Issue.NONFINITE.value
+_clock = time.perf_counter
 
 
 class LiveFindings:
@@ -63,6 +71,8 @@ class LiveFindings:
         self._keys: set[tuple[str, str, str]] = set()
         self._latest = -1
         self._diagnosed = -1  # the latest step the window rules have seen
+        self._diagnosed_at = 0.0  # when they last ran (the clock's seconds)
+        self._cost = 0.0  # and how long that took
         self._broken_since: int | None = None  # first step of the current run of NaN steps
         self._nonfinite_reported = False  # a nonfinite finding in the current run of NaN steps
         self._alarm = False  # a step since the last window diagnosis turned NaN, or an event
@@ -97,23 +107,34 @@ class LiveFindings:
         self._catch_up()
         return list(self._found)
 
-    def new(self, step: int) -> pd.DataFrame:
+    def new(self, step: int) -> list[Finding]:
         """The findings first reported when ``step`` was the latest recorded step.
 
-        The window rules run here only when due: on the first recorded step, on every
-        ``history_window``-th one after (so that each step is in one window they see), and
-        at once after a step that turned non-finite or showed a structural event not seen
-        before (no gradient, a detached output, a skipped step). A loop that reads every
-        step's findings pays for the history rules and a share of one window diagnosis.
+        The window rules run here only when due: on the first recorded step, at once after
+        a step that turned non-finite or showed a structural event not seen before (no
+        gradient, a detached output, a skipped step), and else after ``history_window``
+        steps once the time since their last run is long enough that they take at most
+        :data:`WINDOW_BUDGET` of it. A loop that reads every step's findings pays for the
+        history rules and that share.
         """
         if step == self._latest and self._due():
             self._catch_up()
-        return finding_frame([f for f, at in zip(self._found, self._found_at, strict=True)
-                              if at == step])
+        found, at = self._found, self._found_at
+        # Newest last: the findings of ``step`` are at the end, unless a later step came.
+        i = len(at)
+        while i and at[i - 1] > step:
+            i -= 1
+        j = i
+        while j and at[j - 1] == step:
+            j -= 1
+        return found[j:i]
 
     def _due(self) -> bool:
-        return (self._diagnosed < 0 or self._alarm
-                or self._latest - self._diagnosed >= self._thresholds.history_window)
+        if self._diagnosed < 0 or self._alarm:
+            return True
+        if self._latest - self._diagnosed < self._thresholds.history_window:
+            return False
+        return (_clock() - self._diagnosed_at) * WINDOW_BUDGET >= self._cost
 
     def reported(self) -> list[Finding]:
         """The findings reported so far, without running the window rules again."""
@@ -123,11 +144,14 @@ class LiveFindings:
         if self._diagnosed == self._latest or not self._window:
             return
         self._diagnosed, self._alarm = self._latest, False
+        start = _clock()
         records = [r for _, rows, _ in self._window for r in rows]
         events = [e for _, _, rows in self._window for e in rows]
         window = diagnose(record_frame(records), event_frame(events), self._thresholds,
                           plugin_manager=self._pm, exclude=(HISTORY_PLUGIN,))
         self._add(as_findings(window))
+        self._diagnosed_at = _clock()
+        self._cost = self._diagnosed_at - start
 
     def _add(self, found: Iterable[Finding]) -> None:
         for f in found:
