@@ -10,12 +10,16 @@ use it::
     trainer.train()
     callback.findings()
 
-A graddebug step closes in ``on_pre_optimizer_step``, once per optimizer step: the gradients
-there are pooled over all micro-batches of ``gradient_accumulation_steps``, already unscaled
-under fp16 AMP, and already clipped by ``max_grad_norm`` (the Trainer clips before this event,
-and offers none earlier; it logs the total norm before clipping as ``grad_norm``). They are
-what the optimizer applies; ``max_grad_norm=0`` shows them unclipped. Gradients at layer outputs
-are captured during ``backward``, so under a loss scaler they carry the scale.
+With :meth:`GradDebugCallback.attach`, a graddebug step closes right after the last
+``training_step`` of each optimizer step: the gradients of every micro-batch of
+``gradient_accumulation_steps`` are in, and the Trainer has not clipped them yet (it clips by
+``max_grad_norm`` before ``on_pre_optimizer_step``, and offers no event in between). So ``norm``
+is the gradient before the clip, whose total is the Trainer's own ``grad_norm`` log, and the
+diagnoses see an explosion that the clip hides; ``clipped_norm`` is the gradient the optimizer
+applied. Under fp16 AMP the accelerator's GradScaler is watched (``watch(scaler=...)``), so
+the statistics are unscaled. A callback given as ``Trainer(callbacks=[...])`` cannot reach the
+Trainer: it closes the step in ``on_pre_optimizer_step``, after the clip, and ``norm`` is the
+clipped gradient there.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ from graddebug.errors import MissingFrameworkError
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.utils import logging as hf_logging
 except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise MissingFrameworkError(
         "graddebug_torch.transformers needs transformers: "
         "pip install 'graddebug-torch[transformers]' (or pip install transformers)."
     ) from _exc
 
+from graddebug.integrations.clipping import HostClip
 from graddebug.integrations.session import CallbackSession, SessionResults
 
 if TYPE_CHECKING:
@@ -42,23 +49,31 @@ if TYPE_CHECKING:
 
 __all__ = ["GradDebugCallback"]
 
+_notices = hf_logging.get_logger("transformers.integrations.graddebug")
+"""The notice of new findings goes through transformers' logging (its handler, its verbosity)."""
+_CONSOLE = (ProgressCallback, PrinterCallback)  # they print every log entry they are given
+_TORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ divides by total + 1e-6
+
 
 class GradDebugCallback(SessionResults, TrainerCallback):
     """Watch the Trainer's model from ``on_train_begin`` to ``on_train_end``.
 
-    Each optimizer step closes a graddebug step. On recorded steps, the gradient norm of every
-    watched tensor is logged as ``graddebug/<layer>.<tensor>/norm`` (``graddebug/lm_head.weight
-    /norm``, ``graddebug/transformer.h.0.mlp.output/norm``) at the Trainer's ``global_step``,
-    next to its own ``loss`` entries; ``every=`` thins both. With :meth:`attach`, they go
-    through ``trainer.log``, so they reach ``state.log_history`` and every ``report_to``
-    integration (TensorBoard, wandb, MLflow); a callback given as ``Trainer(callbacks=[...])``
-    cannot reach the Trainer and appends them to ``state.log_history`` only.
+    Each optimizer step closes a graddebug step. When the Trainer logs (every
+    ``logging_steps``), the callback logs the metrics of the steps since its last log
+    (:mod:`graddebug.integrations.metrics`: the total and per-layer gradient norms before the
+    clip, the update/weight ratios, the count of new findings; each with its maximum over the
+    interval as ``.../max``) at the Trainer's ``global_step``. They go to ``state.log_history``
+    as an entry of their own and, with :meth:`attach`, to every ``report_to`` integration
+    (TensorBoard, wandb, MLflow), but not to the progress bar or the console. A step that
+    brings a new finding logs one line through transformers' logging.
 
     Args:
         stop_on: Issues that stop training (``control.should_training_stop = True``) at the
             first step that shows them: ``("nonfinite",)``. The reason, naming the layer where
-            the NaN/Inf was born, is logged as a warning and kept in :attr:`stop_reason`.
-        log: Log the norms.
+            the NaN/Inf was born, goes on the notice line and is kept in :attr:`stop_reason`.
+        log: Log the metrics.
+        every_tensor: Log the norm of every recorded tensor too
+            (``graddebug/norm/<layer>.<tensor>``).
         **watch_options: Options of :func:`graddebug.watch` (``layers=``, ``every=``,
             ``outputs=``, ``thresholds=``, ``tensorboard=``, ...), except ``optimizer=``.
 
@@ -72,80 +87,107 @@ class GradDebugCallback(SessionResults, TrainerCallback):
     """
 
     def __init__(self, *, stop_on: Iterable[str] | str = (), log: bool = True,
-                 **watch_options: Any) -> None:
+                 every_tensor: bool = False, **watch_options: Any) -> None:
         super().__init__()
         self._session = CallbackSession(
             "GradDebugCallback", "pass it to Trainer(callbacks=[...]) or "
             "GradDebugCallback.attach(trainer), and call trainer.train() first.",
-            stop_on=stop_on, log=log, watch_options=watch_options)
+            stop_on=stop_on, log=log, every_tensor=every_tensor, notify=_notices.warning,
+            watch_options=watch_options)
         self._trainer: Trainer | None = None
-        self._pending: dict[str, float] = {}  # norms of the step, logged at its step end
         self._loss: Any = None  # the open step's loss so far, where attach() follows it
+        self._closed = False  # the optimizer step's graddebug step closed before the clip
+        self._logging = False  # inside our own log entry's on_log
 
     @classmethod
     def attach(cls, trainer: Trainer, *, stop_on: Iterable[str] | str = (), log: bool = True,
-               **watch_options: Any) -> GradDebugCallback:
-        """Add a callback to ``trainer`` that logs through ``trainer.log``.
+               every_tensor: bool = False, **watch_options: Any) -> GradDebugCallback:
+        """Add a callback to ``trainer`` that closes each step before the Trainer clips and
+        logs to its ``report_to`` integrations too.
 
         Args:
             trainer: The Trainer.
-            stop_on, log, **watch_options: As for the constructor.
+            stop_on, log, every_tensor, **watch_options: As for the constructor.
 
         Returns:
             The callback, to read its findings after ``trainer.train()``.
         """
-        callback = cls(stop_on=stop_on, log=log, **watch_options)
+        callback = cls(stop_on=stop_on, log=log, every_tensor=every_tensor, **watch_options)
         callback._trainer = trainer
-        callback._follow_loss(trainer)
+        callback._follow_steps(trainer)
         trainer.add_callback(callback)
         return callback
 
-    def _follow_loss(self, trainer: Trainer) -> None:
-        """Sum what ``trainer.training_step`` returns over the micro-batches of each optimizer
-        step: the Trainer's own logged loss is that sum, averaged over the logged steps."""
+    def _follow_steps(self, trainer: Trainer) -> None:
+        """Wrap ``trainer.training_step``: sum what it returns over the micro-batches of each
+        optimizer step (the Trainer's own logged loss is that sum, averaged over the logged
+        steps), and close the graddebug step after the last micro-batch, before the clip."""
         original = trainer.training_step
 
         @functools.wraps(original)
         def training_step(*args: Any, **kwargs: Any) -> Any:
             loss = original(*args, **kwargs)
             self._loss = loss if self._loss is None else self._loss + loss
+            if getattr(trainer.accelerator, "sync_gradients", True):
+                self._close(trainer.control)
+                self._closed = True
             return loss
 
         trainer.training_step = training_step  # type: ignore[method-assign]
+
+    def _close(self, control: TrainerControl) -> None:
+        loss, self._loss = self._loss, None
+        if self._session.close(loss).stop:
+            control.should_training_stop = True
 
     # -- Trainer events -------------------------------------------------------------------------
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, model: Any = None, **kwargs: Any) -> None:
-        """Start watching ``model`` (unless bound to a Watcher already)."""
-        self._pending = {}
-        self._session.start(model)
+        """Start watching ``model`` (unless bound to a Watcher already): with :meth:`attach`,
+        with the accelerator's GradScaler under fp16 and the Trainer's ``max_grad_norm``."""
+        self._closed = False
+        trainer = self._trainer
+        clip = None
+        scaler = None
+        if trainer is not None:
+            scaler = getattr(trainer.accelerator, "scaler", None)
+            if args.max_grad_norm and args.max_grad_norm > 0:
+                clip = HostClip(float(args.max_grad_norm), "total", _TORCH_EPS)
+        self._session.start(model, scaler=scaler, clip=clip)
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
                               control: TrainerControl, **kwargs: Any) -> None:
-        """Close the graddebug step; keep its norms for logging and check ``stop_on``."""
-        # Since backward, the Trainer may have unscaled (AMP) and clipped the gradients in
-        # place; the close reads them as they are now, what the optimizer applies.
-        loss, self._loss = self._loss, None
-        closed = self._session.close(loss)
-        if closed.metrics:
-            self._pending = closed.metrics
-        if closed.stop:
-            control.should_training_stop = True
+        """Close the graddebug step, unless it closed before the clip (:meth:`attach`)."""
+        if self._closed:
+            self._closed = False
+            return
+        # Given as Trainer(callbacks=[...]): the Trainer has unscaled (AMP) and clipped the
+        # gradients in place by now; the close reads them as they are, what the optimizer
+        # applies.
+        self._close(control)
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState,
-                    control: TrainerControl, **kwargs: Any) -> None:
-        """Log the norms of the step that just ended, at the Trainer's ``global_step``."""
-        metrics, self._pending = self._pending, {}
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+        """When the Trainer logs its training loss, log the metrics of the steps since the
+        last log: into ``state.log_history`` and, with :meth:`attach`, to every other
+        callback but the console's (the progress bar and the printer)."""
+        if self._logging or not logs or "loss" not in logs:
+            return
+        metrics = self._session.take_metrics()
         if not metrics:
             return
-        if self._trainer is not None:
-            # trainer.log clears should_log, which the Trainer set for its own loss entry.
-            should_log = control.should_log
-            self._trainer.log(metrics)
-            control.should_log = should_log
-        else:
-            state.log_history.append({**metrics, "step": state.global_step})
+        state.log_history.append({**metrics, "step": state.global_step})
+        trainer = self._trainer
+        if trainer is None:
+            return
+        self._logging = True
+        try:
+            for callback in trainer.callback_handler.callbacks:
+                if callback is not self and not isinstance(callback, _CONSOLE):
+                    callback.on_log(args, state, control, logs=dict(metrics), **kwargs)
+        finally:
+            self._logging = False
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
