@@ -113,7 +113,8 @@ def test_frame_columns_follow_the_contract() -> None:
         dbg.step()
     assert list(dbg.frame().columns) == [
         "step", "layer", "tensor", "kind", "depth", "shape", "numel", "norm", "mean", "std",
-        "absmax", "zero_frac", "nan", "inf", "rank", "weight_norm", "update_norm"]
+        "absmax", "zero_frac", "nan", "inf", "rank", "weight_norm", "update_norm",
+        "clipped_norm"]
     assert list(dbg.findings().columns) == [
         "step", "layer", "tensor", "issue", "severity", "value", "threshold", "message", "rank",
         "source", "cause"]
@@ -392,18 +393,21 @@ def test_float64_models_are_captured_in_float64() -> None:
             np.linalg.norm(expected), rel=1e-12)
 
 
-def test_gradient_clipped_in_place_before_step_is_recorded_after_clipping() -> None:
+def test_gradient_clipped_in_place_before_step_keeps_its_norm_before_the_clip() -> None:
     torch.manual_seed(0)
     model = relu_mlp(depth=2, width=4)
     with graddebug.watch(model) as dbg:
         model(torch.randn(3, 32)).sum().mul(100).backward()
+        before = {name: p.grad.norm().item() for name, p in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
-        expected = {name: p.grad.norm().item() for name, p in model.named_parameters()}
+        after = {name: p.grad.norm().item() for name, p in model.named_parameters()}
         dbg.step()
     params = dbg.frame().query("kind == 'parameter'")
     got = {f"{r.layer}.{r.tensor}": r.norm for r in params.itertuples()}
-    assert got == pytest.approx(expected, rel=1e-5)
-    assert sum(v**2 for v in got.values()) == pytest.approx(0.25, rel=1e-4)
+    clipped = {f"{r.layer}.{r.tensor}": r.clipped_norm for r in params.itertuples()}
+    assert got == pytest.approx(before, rel=1e-5)
+    assert clipped == pytest.approx(after, rel=1e-5)
+    assert sum(v**2 for v in clipped.values()) == pytest.approx(0.25, rel=1e-4)
 
 
 def test_parameter_gradients_are_read_as_they_are_when_the_step_closes() -> None:

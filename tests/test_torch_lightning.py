@@ -6,8 +6,11 @@ module is marked slow.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import math
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -133,6 +136,20 @@ def reference(model: nn.Module, steps: int, accumulate: int = 1) -> list[dict[st
     return out
 
 
+@contextlib.contextmanager
+def heard_notices() -> Iterator[list[str]]:
+    """The lines the callback logs through Lightning's logger, while the block runs."""
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())  # type: ignore[method-assign]
+    notices = logging.getLogger("lightning.pytorch.callbacks.graddebug")
+    notices.addHandler(handler)
+    try:
+        yield heard
+    finally:
+        notices.removeHandler(handler)
+
+
 def param_norms(frame: Any, step: int) -> dict[str, float]:
     rows = frame[(frame["step"] == step) & (frame["kind"] == "parameter")]
     return {f"{la}.{t}": n for la, t, n in zip(rows["layer"], rows["tensor"], rows["norm"],
@@ -167,11 +184,14 @@ def test_gradients_and_logged_norms_equal_autograd_grad_and_weights_equal_plain(
     logged = [(step, m) for step, m in logger.rows if any(k.startswith("graddebug/") for k in m)]
     assert [step for step, _ in logged] == [0, 1, 2, 3]
     for (_, metrics), ref in zip(logged, expected, strict=True):
-        assert metrics["graddebug/net.0.weight/norm"] == pytest.approx(
-            ref["params"]["net.0.weight"], rel=1e-5)
-        assert metrics["graddebug/net.0.output/norm"] == pytest.approx(
-            float(torch.linalg.vector_norm(ref["h"])), rel=1e-5)
-        assert set(metrics) >= {"graddebug/net.2.bias/norm", "graddebug/net.1.output/norm"}
+        norms = ref["params"]
+        assert metrics["graddebug/grad_norm/net.0"] == pytest.approx(
+            math.hypot(norms["net.0.weight"], norms["net.0.bias"]), rel=1e-5)
+        assert metrics["graddebug/grad_norm"] == pytest.approx(
+            math.sqrt(sum(v * v for v in norms.values())), rel=1e-5)
+        assert metrics["graddebug/findings"] == 0
+        # Compact by default: one norm a layer, not one a tensor.
+        assert not any(k.startswith("graddebug/norm/") for k in metrics)
     # Hooks are gone after fit; the frames stay.
     assert not callback.watcher.active
     assert all(not m._forward_hooks for m in model.modules())
@@ -186,7 +206,7 @@ def test_every_thins_recording_and_logging(lit) -> None:
     lit.trainer([callback], max_steps=7, logger=logger).fit(lit.Module(net()), lit.loader())
     assert sorted(callback.frame()["step"].unique()) == [0, 3, 6]
     assert callback.watcher.step_index == 7
-    assert [s for s, m in logger.rows if "graddebug/net.0.weight/norm" in m] == [0, 3, 6]
+    assert [s for s, m in logger.rows if "graddebug/grad_norm" in m] == [0, 3, 6]
 
 
 def test_accumulated_batches_close_one_step_with_the_summed_gradient(lit) -> None:
@@ -216,17 +236,20 @@ def test_under_amp_the_gradients_are_read_unscaled(lit) -> None:
         assert_close(param_norms(callback.frame(), step), ref)
 
 
-def test_stop_on_nonfinite_stops_at_the_step_and_names_the_layer(lit, caplog) -> None:
+def test_stop_on_nonfinite_stops_at_the_step_and_names_the_layer(lit) -> None:
     torch.manual_seed(0)
     callback = lit.Callback(stop_on=("nonfinite",))
     trainer = lit.trainer([callback], max_steps=8)
-    with caplog.at_level(logging.WARNING, logger="graddebug_torch.lightning"):
+    with heard_notices() as heard:
         trainer.fit(lit.Module(net(), nan_at=2), lit.loader())
     assert trainer.global_step == 3  # steps 0, 1 and the NaN step 2
     assert callback.stop_reason is not None
     assert callback.stop_reason.startswith("graddebug stopped training at step 2:")
     assert "'net.0'" in callback.stop_reason  # the NaN is born at the first layer's output
-    assert callback.stop_reason in caplog.text
+    lines = heard
+    assert len(lines) == 1  # one notice: the finding and the stop, on one line
+    assert lines[0].startswith("graddebug: step 2: nonfinite at net.0")
+    assert "Training stops" in lines[0]
     # Without stop_on, the same run goes on to max_steps.
     torch.manual_seed(0)
     other = lit.Callback()
@@ -272,3 +295,69 @@ def test_bad_options_raise_before_training(lit) -> None:
         lit.Callback(optimizer=object())
     with pytest.raises(graddebug.WatcherStateError, match=r"call trainer\.fit\(\) first"):
         lit.Callback().frame()
+
+
+def test_gradient_clip_val_keeps_the_norms_before_the_clip_and_records_those_after(lit) -> None:
+    class AfterClip(lit.pl.Callback):
+        """The norm of each p.grad once Lightning clipped it (before zero_grad)."""
+
+        def __init__(self) -> None:
+            self.seen: list[dict[str, float]] = []
+
+        def on_before_zero_grad(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            if all(p.grad is not None for p in module.parameters()):  # not before the first
+                self.seen.append({n: float(torch.linalg.vector_norm(p.grad))
+                                  for n, p in module.named_parameters()})
+
+    torch.manual_seed(0)
+    callback, before, after = lit.Callback(), lit.GradNorms(), AfterClip()
+    trainer = lit.trainer([before, callback, after], max_steps=3, gradient_clip_val=0.05)
+    trainer.fit(lit.Module(net()), lit.loader())
+    frame = callback.frame()
+    params = frame[frame["kind"] == "parameter"]
+    # Lightning zeroes the gradients at the start of the next step: the last one is not seen.
+    assert len(after.seen) >= 2
+    for step in range(len(after.seen)):
+        rows = params[params["step"] == step]
+        pre = torch.nn.utils.get_total_norm(
+            [torch.tensor(v) for v in before.seen[step].values()])
+        assert float(pre) > 0.05  # the clip acted
+        for layer, tensor, norm, clipped in zip(rows["layer"], rows["tensor"], rows["norm"],
+                                                rows["clipped_norm"], strict=True):
+            name = f"{layer}.{tensor}"
+            assert norm == pytest.approx(before.seen[step][name], rel=1e-5)
+            assert clipped == pytest.approx(after.seen[step][name], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_default_logger_and_progress_bar_a_quiet_console_and_one_notice(lit, capfd,
+                                                                        tmp_path) -> None:
+    def fit(callbacks: list[Any], explode_at: int | None) -> tuple[str, Any]:
+        torch.manual_seed(0)
+        model = net()
+        if explode_at is not None:
+            model[2].weight.register_hook(
+                lambda g: g * 1e4 if trainer.global_step == explode_at else g)
+        trainer = lit.pl.Trainer(accelerator="cpu", devices=1, max_steps=100,
+                                 default_root_dir=str(tmp_path), enable_checkpointing=False,
+                                 log_every_n_steps=10, gradient_clip_val=1.0,
+                                 callbacks=callbacks)
+        from torch.utils.data import DataLoader, TensorDataset
+
+        loader = DataLoader(TensorDataset(*data(n=400)), batch_size=4, shuffle=False)
+        trainer.fit(lit.Module(model), loader)
+        out, err = capfd.readouterr()
+        return out + err, trainer
+
+    plain, _ = fit([], None)
+    callback = lit.Callback()
+    with heard_notices() as heard:
+        watched, _ = fit([callback], explode_at=50)
+    # The console: the progress bar's lines and Lightning's own, plus one notice line.
+    assert watched.count("\n") <= plain.count("\n") + 3
+    assert len(heard) == 1 and "step 50" in heard[0] and "net.2" in heard[0]
+    # The clip hid the explosion from the optimizer, not from graddebug.
+    frame = callback.frame()
+    rows = frame[(frame["kind"] == "parameter") & (frame["step"] == 50)]
+    assert math.sqrt((rows["norm"] ** 2).sum()) > 100
+    assert math.sqrt((rows["clipped_norm"] ** 2).sum()) == pytest.approx(1.0, rel=1e-4)

@@ -22,12 +22,13 @@ from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContex
 from graddebug.capture.layers import Intervention, LayerSpec, select_layers
 from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind
+from graddebug_torch.clipping import UserClips
 from graddebug_torch.closing import gather
 from graddebug_torch.compiled import NO_FORWARD_WARNING, run_eagerly, tracing
 from graddebug_torch.distributed import ShardedMarks, distribution, reduce_sharded
 from graddebug_torch.guards import ModuleOwners, check_mask_device, in_functorch_transform
 from graddebug_torch.ops import OpCapture
-from graddebug_torch.outputs import CHANNELS_FIRST, KEEPS_FINITE, watched_by_default
+from graddebug_torch.outputs import CHANNELS_FIRST, KEEPS_FINITE, WEIGHTED, watched_by_default
 from graddebug_torch.params import (
     ParamRow,
     TorchParam,
@@ -92,6 +93,7 @@ class TorchAdapter(BaseAdapter):
         self._sharded = ShardedMarks([p.param for p in self._params if p.sharded])
         self._updates = UpdateWatch(context, self._params, options.every,
                                     self._fail_open("optimizer step"))
+        self._clips = UserClips(context, self._params)
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -102,7 +104,8 @@ class TorchAdapter(BaseAdapter):
             named = {self._name(n): m for n, m in self._root.named_modules()}
             self._modules = self._add_layers(
                 named, self._select(named, options.layers),
-                lambda m: isinstance(m, CHANNELS_FIRST), lambda m: type(m) in KEEPS_FINITE)
+                lambda m: isinstance(m, CHANNELS_FIRST), lambda m: type(m) in KEEPS_FINITE,
+                lambda m: type(m) in WEIGHTED)
             chosen = None if options.layers is None else set(self._modules)
             self._params = model_params(self._root, self._name, chosen, options.keep)
         if params:
@@ -193,6 +196,7 @@ class TorchAdapter(BaseAdapter):
         self._scaling.attach()
         self._ops.attach()
         self._updates.attach()
+        self._clips.attach()
         # A compiled graph keeps the hooks it was traced with, so hooks parked while dynamo
         # traces would be missing from it on recorded steps too; op capture hooks the root.
         self._parks = self._options.every > 1 and not runs_compiled and not self._ops.enabled
@@ -225,6 +229,7 @@ class TorchAdapter(BaseAdapter):
         if scaling is not None:
             scaling.detach()
         self._updates.detach()
+        self._clips.detach()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -345,9 +350,9 @@ class TorchAdapter(BaseAdapter):
                     [r.grad for r in rows if r.sharded], full, self._ctx.internal_error)
                 depths = {name: layer.depth for name, layer in self._layers.items()}
                 scale = self._scaling.read()  # queued before the step's sync, read after it
-                return self._ops.close(scale.unscale(step, gather(
+                return self._clips.restore(self._ops.close(scale.unscale(step, gather(
                     step, state, rows, depths, full=full, staging=watch.staging,
-                    sharded=sharded, on_bug=self._ctx.internal_error, weights=self._updates)))
+                    sharded=sharded, on_bug=self._ctx.internal_error, weights=self._updates))))
             return StepResult(events=list(state.events))
         finally:
             release_rows(rows)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from graddebug.records import Event
+from graddebug.records import WEIGHTED_DETAIL, Event
 from graddebug_torch.staging import SmallGrads, StagedGroup
 from graddebug_torch.stats import DotSums, finiteness, stack_scalars
 
@@ -172,7 +174,8 @@ class ForwardChecks:
     usual check adds no object that outlives the step's young collections.
     """
 
-    __slots__ = ("_groups", "_rows", "_staging", "_sums", "_values", "depths", "keys")
+    __slots__ = ("_groups", "_rows", "_staging", "_sums", "_values", "_weighted", "depths",
+                 "keys")
 
     def __init__(self, staging: SmallGrads, sums: DotSums) -> None:
         self._staging = staging
@@ -182,6 +185,7 @@ class ForwardChecks:
         self._values: list[Tensor | None] = []
         self._groups: list[StagedGroup | None] = []
         self._rows: list[int] = []
+        self._weighted: set[int] = set()  # the checks of weighted layers' outputs, by index
 
     def __len__(self) -> int:
         """The number of checks."""
@@ -195,8 +199,12 @@ class ForwardChecks:
         self._groups.append(None)
         self._rows.append(0)
 
-    def check(self, key: Key, depth: int, tensor: Tensor) -> None:
-        """Add the check of output ``key``, a floating ``tensor``."""
+    def check(self, key: Key, depth: int, tensor: Tensor, weighted: bool = False) -> None:
+        """Add the check of output ``key``, a floating ``tensor``; ``weighted`` for the output
+        of a weighted layer (:attr:`~graddebug.capture.layers.LayerSpec.weighted`)."""
+        if weighted and tensor.dtype != torch.float16:
+            # float16 overflows into +Inf and -Inf, whose sum is NaN: no evidence there.
+            self._weighted.add(len(self.keys))
         if not (tensor.requires_grad and SmallGrads.fits(tensor)):
             self.add(key, depth, finiteness(tensor, self._sums))
             return
@@ -206,6 +214,12 @@ class ForwardChecks:
         self._values.append(None)
         self._groups.append(group)
         self._rows.append(group.put(tensor))
+
+    def detail(self, index: int, value: float) -> str:
+        """The event detail of check ``index`` whose number came out as ``value`` (not
+        finite): ``"NaN"`` or ``"Inf"``, marked for a weighted layer's output."""
+        what = "NaN" if math.isnan(value) else "Inf"
+        return what + WEIGHTED_DETAIL if index in self._weighted else what
 
     def gather(self) -> Tensor:
         """Every check's number, in the order they were added (one tensor)."""
@@ -244,6 +258,11 @@ class StepCaptures:
     forward: ForwardChecks
     inputs: ForwardChecks
     """The finiteness checks of the watched model's floating inputs."""
+    between: ForwardChecks
+    """The finiteness checks of watched layers' inputs that no recorded output gave them."""
+    covered: dict[int, weakref.ref[Tensor]] = field(default_factory=dict)
+    """The tensors whose finiteness a check answers already (recorded outputs, the model's
+    inputs), by id; a weak reference tells a live tensor from a newer one at the same id."""
     captures: dict[Key, Capture] = field(default_factory=dict)
     """The first call's capture of each output; :meth:`calls` has them all."""
     repeats: dict[Key, list[Capture]] = field(default_factory=dict)

@@ -116,7 +116,8 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
     parameters = _Parameters(params, present, full, sharded, on_bug or _ignore, weights)
     sources: tuple[_Source, ...] = (
         activations, parameters, _ForwardReads(state.forward, EventKind.FORWARD_NONFINITE),
-        _ForwardReads(state.inputs, EventKind.INPUT_NONFINITE))
+        _ForwardReads(state.inputs, EventKind.INPUT_NONFINITE),
+        _ForwardReads(state.between, EventKind.LAYER_INPUT_NONFINITE))
     batch = _HostBatch()
     for source in sources:
         source.queue(batch)
@@ -363,7 +364,7 @@ class _Parameters:
                 records.append(new_row(Record, (
                     step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
                     grad.numel(), norm, nan, nan, nan, nan, False, False, nan, 0, weight,
-                    update)))
+                    update, nan)))
         if broken:  # every rank sees the same combined norms, so all of them come here together
             flags = nonfinite_flags([g for _, g, _, _, _ in broken], self._on_bug)
             for (p, grad, norm, extra, weights), pair in zip(broken, flags, strict=True):
@@ -402,10 +403,11 @@ class _ForwardReads:
     def read(self, step: int, batch: _HostBatch, result: StepResult) -> None:
         """Add the events of the checks that came out non-finite, in the order added."""
         checks = self._checks
-        for key, depth, value in zip(checks.keys, checks.depths, batch[self._slot], strict=True):
+        for i, (key, depth, value) in enumerate(zip(checks.keys, checks.depths,
+                                                    batch[self._slot], strict=True)):
             if not math.isfinite(value):
                 result.events.append(Event(step, key[0], key[1], depth, self._kind,
-                                           "NaN" if math.isnan(value) else "Inf"))
+                                           checks.detail(i, value)))
 
 
 def _per_unit(c: Capture, staged: dict[StagedGroup, GroupStats]) -> Tensor:
@@ -455,7 +457,7 @@ def _param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
         return tuple.__new__(Record, (
             step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape), grad.numel(),
             norm, math.nan, math.nan, math.nan, math.nan, nan, inf and not nan, math.nan, 0,
-            *weights))
+            *weights, math.nan))
     return sums_record(step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
                        grad.numel(), norm, extra[0], extra[1], math.nan, nan, inf, math.nan, 0,
                        *weights)

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["CHANNELS_FIRST", "KEEPS_FINITE", "SEVERED_DETAIL", "any_requires_grad", "fits",
-           "flatten", "owns_params", "tensors", "unit_dim", "watched_by_default"]
+__all__ = ["CHANNELS_FIRST", "KEEPS_FINITE", "SEVERED_DETAIL", "WEIGHTED", "any_requires_grad",
+           "fits", "flatten", "owns_params", "tensors", "unit_dim", "watched_by_default"]
 
 SEVERED_DETAIL = "its input requires a gradient but its output does not"
 """What a module did when its output needs no gradient although one of its inputs does."""
@@ -27,6 +27,19 @@ KEEPS_FINITE: frozenset[type[nn.Module]] = frozenset({
 masks and selections, and reshapes. Their forward finiteness check is dropped (a NaN or Inf
 they pass on is named at the module that made it). Exact types: a subclass may override
 ``forward``. Averages, norms, softmax, exp and log keep theirs."""
+
+WEIGHTED: frozenset[type[nn.Module]] = frozenset({
+    nn.Linear, nn.Bilinear,
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Embedding, nn.EmbeddingBag,
+    nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+})
+"""Module types whose output is fixed by their input and their own parameters and buffers
+(affine maps, convolutions, lookups, normalisations with an epsilon): from a finite input they
+can make Inf only by overflow and NaN not at all, so a NaN there was in their parameters. Exact
+types, as for :data:`KEEPS_FINITE`."""
 
 # Modules whose 3-D outputs are (batch, channels, length); other 3-D outputs are
 # (batch, sequence, features) and their units lie on the last axis.

@@ -15,13 +15,24 @@ if TYPE_CHECKING:
 
 @hookimpl
 def graddebug_adapter(target: object) -> AdapterFactory | None:
-    """Claim ``torch.nn.Module`` and ``torch.Tensor`` objects, when torch is imported."""
+    """Claim ``torch.nn.Module`` and ``torch.Tensor`` objects, when torch is imported; a Keras
+    layer or model on the torch backend (a ``torch.nn.Module`` too) is left to the Keras
+    adapter (graddebug-keras), whose callback and names are Keras's."""
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(target, (torch.nn.Module, torch.Tensor)):
+        return None
+    if _keras_layer(target):
         return None
     from graddebug_torch.adapter import TorchAdapter
 
     return TorchAdapter
+
+
+def _keras_layer(target: object) -> bool:
+    """Whether ``target`` is a Keras layer (checked only when the user imported Keras)."""
+    keras = sys.modules.get("keras")
+    layers = getattr(keras, "layers", None) if keras is not None else None
+    return layers is not None and isinstance(target, layers.Layer)
 
 
 @hookimpl

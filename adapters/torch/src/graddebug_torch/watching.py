@@ -13,6 +13,7 @@ in the open step's :class:`~graddebug_torch.captures.StepCaptures`, read when it
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -102,7 +103,8 @@ class OutputWatch:
 
     def _new_step(self) -> StepCaptures:
         return StepCaptures(forward=ForwardChecks(self._forward_staging, self._sums),
-                            inputs=ForwardChecks(self._forward_staging, self._sums))
+                            inputs=ForwardChecks(self._forward_staging, self._sums),
+                            between=ForwardChecks(self._forward_staging, self._sums))
 
     def drop_step(self) -> None:
         """Forget the open step: its tensor hooks removed, its captures and staging dropped."""
@@ -135,10 +137,11 @@ class OutputWatch:
                                                  and torch.is_grad_enabled()):
             return
         with self._fail_open("model input"):
-            checks = self.state.inputs
+            state = self.state
             for name, tensor in (*flatten(args, "args"), *flatten(kwargs, "kwargs")):
                 if tensor.is_floating_point():
-                    checks.check(("input", name), -1, tensor)
+                    state.inputs.check(("input", name), -1, tensor)
+                    state.covered[id(tensor)] = weakref.ref(tensor)
 
     def forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root module's forward returned or raised: resume the collector."""
@@ -188,6 +191,8 @@ class OutputWatch:
         with self._fail_open(layer.name):
             if layer.depth < 0:
                 layer.depth = self._take_depth()
+            if layer.capture:
+                self._check_inputs(layer, args)
             tensors = (("output", output),) if isinstance(output, Tensor) else flatten(output)
             for tname, tensor in tensors:
                 if not tensor.is_floating_point():
@@ -204,6 +209,22 @@ class OutputWatch:
                               _DETACHED_OUTPUT, SEVERED_DETAIL)
                     )
 
+    def _check_inputs(self, layer: LayerSpec, args: Any) -> None:
+        """Check the inputs of ``layer`` that no recorded output gave it: a NaN there was made
+        by code between recorded layers (its parent's own forward), which nothing else sees.
+
+        In a chain of watched layers every input is the output before it, and this costs a
+        dictionary lookup per input.
+        """
+        covered = self.state.covered
+        for tname, tensor in flatten(args, "input"):
+            if not (tensor.requires_grad and tensor.is_floating_point()):
+                continue
+            ref = covered.get(id(tensor))
+            if ref is None or ref() is not tensor:
+                self.state.between.check((layer.name, tname), layer.depth, tensor)
+                covered[id(tensor)] = weakref.ref(tensor)
+
     def watch_tensor(self, layer: LayerSpec, tname: str, tensor: Tensor) -> None:
         """Check output ``tname`` of ``layer`` forward, and hook its gradient.
 
@@ -215,9 +236,12 @@ class OutputWatch:
         spec = layer.intervention
         if spec is not None and spec.mask is not None and not spec.mask_is_callable:
             layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
-        if layer.capture and layer.check_forward:
-            # Forward finiteness check: one reduction, read at the step's single sync.
-            state.forward.check(key, layer.depth, tensor)
+        if layer.capture:
+            if layer.check_forward:
+                # Forward finiteness check: one reduction, read at the step's single sync.
+                state.forward.check(key, layer.depth, tensor, layer.weighted)
+            # Checked, or finite whenever its (checked) input is.
+            state.covered[id(tensor)] = weakref.ref(tensor)
         if not tensor.requires_grad:
             return
         state.expected.setdefault(key, layer.depth)
