@@ -126,3 +126,35 @@ def test_nested_models_name_inner_layers_uniquely():
     params = frame[frame["kind"] == "parameter"]
     assert set(params["layer"]) == {"left/dense", "right/dense"}
     assert (params.groupby("layer")["depth"].first() == acts.set_index("layer")["depth"]).all()
+
+
+@pytest.mark.parametrize("clip", ["global_clipnorm", "clipnorm"])
+def test_fit_logs_each_epoch_and_keeps_the_norms_before_the_optimizer_clips(clip, capfd):
+    x, y = data()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01, **{clip: 0.05}), loss=xent())
+    expected = {path.split("/", 1)[1]: norm  # "sequential/dense/kernel": "dense/kernel"
+                for path, norm in first_batch_grads(model, x[:16], y[:16]).items()}
+    with graddebug.watch(model) as dbg:
+        history = model.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=1,
+                            callbacks=[dbg.callback()])
+    out, err = capfd.readouterr()
+    assert "graddebug:" not in out + err  # a healthy run: no notice
+    frame = dbg.frame()
+    got = param_norms(frame)
+    assert got == pytest.approx(expected, rel=1e-4)
+    rows = frame[(frame["kind"] == "parameter") & (frame["step"] == 0)]
+    total = np.sqrt(sum(v * v for v in expected.values()))
+    assert total > 0.05  # the clip acted
+    for r in rows.itertuples():
+        norm = expected[f"{r.layer}/{r.tensor}"]
+        after = min(norm, 0.05) if clip == "clipnorm" else norm * 0.05 / total
+        assert r.clipped_norm == pytest.approx(after, rel=1e-4)
+    # One value a layer and epoch, in the epoch's logs that History keeps.
+    for key in ("graddebug/grad_norm", "graddebug/grad_norm/max", "graddebug/findings"):
+        assert len(history.history[key]) == 2
+    last_of_first_epoch = frame[(frame["kind"] == "parameter") & (frame["step"] == 3)]
+    assert history.history["graddebug/grad_norm"][0] == pytest.approx(
+        float(np.sqrt((last_of_first_epoch["norm"] ** 2).sum())), rel=1e-5)

@@ -36,7 +36,7 @@ from graddebug_tensorflow.closing import StepCloser
 from graddebug_tensorflow.distributed import all_reduced, replica_index, strategy_of
 from graddebug_tensorflow.model import LayerIndex
 from graddebug_tensorflow.ops.capture import OpCapture
-from graddebug_tensorflow.outputs import keeps_finite
+from graddebug_tensorflow.outputs import keeps_finite, weighted
 from graddebug_tensorflow.params import Param, ParamSet
 from graddebug_tensorflow.scaling import LossScale, note_step
 from graddebug_tensorflow.updates import UpdateView
@@ -90,7 +90,7 @@ class TensorFlowAdapter(BaseAdapter):
             self._targets = self._add_layers(
                 self._index.named, self._index.select(options.layers),
                 lambda layer: getattr(layer, "data_format", None) == "channels_first",
-                keeps_finite)
+                keeps_finite, weighted)
         unwrapped = self._graph_unwrapped()
         self._outputs = OutputWatch(context, self._buffers, self._gates, self._fail_open,
                                     self._take_depth, unwrapped)
@@ -137,6 +137,9 @@ class TensorFlowAdapter(BaseAdapter):
         self._params.resolve()
         for name, target in self._targets.items():
             self._patch(target, "call", self._outputs.wrap_call(self._layers[name], target.call))
+        if self._model is not None and self._options.outputs and all(
+                target is not self._model for target in self._targets.values()):
+            self._patch(self._model, "call", self._outputs.wrap_model_call(self._model.call))
         if self._options.scaler is not None:
             self.take_gradients(self._options.scaler)
         if self._model is not None:

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import keep_label
-from graddebug.records import Event, EventKind, Kind, Record, sums_record
+from graddebug.records import WEIGHTED_DETAIL, Event, EventKind, Kind, Record, sums_record
 from graddebug_tensorflow.captures import LossCol, ScalerCol
 from graddebug_tensorflow.params import UNMEASURED
 from graddebug_tensorflow.scaling import given_scale
@@ -253,11 +253,19 @@ def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray, result: Ste
         reached = [s for s in members if acts[s.index, Col.BWD] > 0]
         sums = [acts[s.index, Col.FWD_SUM] for s in ran]
         broken = [v for v in sums if not math.isfinite(v)]
+        if not layer.capture:  # the model's inputs: checked forward, never differentiated
+            if broken:
+                result.events.append(Event(step, name, tname, -1,
+                                           EventKind.INPUT_NONFINITE.value,
+                                           "NaN" if any(math.isnan(v) for v in broken)
+                                           else "Inf", rank))
+            continue
         if broken:
+            what = "NaN" if any(math.isnan(v) for v in broken) else "Inf"
+            if layer.weighted:
+                what += WEIGHTED_DETAIL
             result.events.append(Event(step, name, tname, layer.depth,
-                                       EventKind.FORWARD_NONFINITE.value,
-                                       "NaN" if any(math.isnan(v) for v in broken) else "Inf",
-                                       rank))
+                                       EventKind.FORWARD_NONFINITE.value, what, rank))
         if not reached:
             if ran:
                 result.events.append(Event(step, name, tname, layer.depth,

@@ -23,6 +23,7 @@ __all__ = [
     "keeps_finite",
     "leaf_names",
     "unit_axis",
+    "weighted",
 ]
 
 
@@ -50,6 +51,29 @@ def keeps_finite(layer: Any) -> bool:
     if kind is keras.layers.Activation:
         return getattr(layer.activation, "__name__", "") in _FINITE_ACTIVATIONS
     return False
+
+
+_WEIGHTED = frozenset({
+    keras.layers.Dense, keras.layers.EinsumDense,
+    keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+    keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose,
+    keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D,
+    keras.layers.SeparableConv1D, keras.layers.SeparableConv2D,
+    keras.layers.Embedding,
+    keras.layers.LayerNormalization, keras.layers.BatchNormalization,
+    keras.layers.GroupNormalization,
+})
+
+
+def weighted(layer: Any) -> bool:
+    """Whether ``layer``'s output is fixed by its input and its own weights (an affine map, a
+    convolution, a lookup, a normalisation), so that a NaN it makes from a finite input was in
+    its weights. Exact types; a built-in activation keeps it (a finite-to-finite function).
+    Not under float16, which overflows into +Inf and -Inf, whose sum reads as NaN."""
+    if type(layer) not in _WEIGHTED or getattr(layer, "compute_dtype", None) == "float16":
+        return False
+    activation = getattr(layer, "activation", None)
+    return activation is None or getattr(activation, "__name__", "") in _FINITE_ACTIVATIONS
 
 
 @dataclass

@@ -49,7 +49,10 @@ if TYPE_CHECKING:
     from graddebug_tensorflow.ops.capture import OpCapture
     from graddebug_tensorflow.scaling import LossScale
 
-__all__ = ["OutputWatch"]
+__all__ = ["MODEL_INPUT", "OutputWatch"]
+
+MODEL_INPUT = "input"
+"""The ``layer`` of the model's inputs' rows and events, as in torch."""
 
 try:  # an eager recording identity's op, as tf.custom_gradient records it
     from tensorflow.python.eager.record import record_operation as _record_operation
@@ -114,6 +117,9 @@ class OutputWatch:
         self._eager_rows = EagerRows()
         self.ops: OpCapture | None = None
         self.scale: LossScale | None = None
+        self.inputs = LayerSpec(name=MODEL_INPUT, capture=False)
+        """The rows of the model's inputs (:meth:`wrap_model_call`): the only slots of a
+        layer that captures nothing."""
 
     # -- what closing a step needs ------------------------------------------------------
 
@@ -211,14 +217,8 @@ class OutputWatch:
         if not record and (spec is None or not spec.active):
             return tensor
         slot = self._slot(layer, tname, eager) if record else None
-        if slot is not None and eager:
-            # One replica: a sum op, or no op at all, instead of a writer call (~0.2 ms)
-            if self._buffers.replicas > 1 or not self._eager_rows.forward(
-                    slot.var, slot.row, tensor, layer.check_forward):
-                _write_forward(self._buffers.local(slot.var), slot.row_tensor, tensor,
-                               layer.check_forward)
-        elif slot is not None:
-            write_forward(self._buffers.local(slot.var), slot.row, tensor, layer.check_forward)
+        if slot is not None:
+            self._write_forward(slot, tensor, layer.check_forward, eager)
         axis = unit_axis(tensor.shape.rank, layer.channels_first)
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -239,6 +239,47 @@ class OutputWatch:
             # flows through the logits, so they pass through the same recording identity.
             watched._keras_logits = identity(logits)
         return watched
+
+    def _write_forward(self, slot: Slot, tensor: tf.Tensor, check: bool, eager: bool) -> None:
+        """Write the forward row of ``slot``: the call ran, and ``tensor``'s finiteness sum."""
+        if eager:
+            # One replica: a sum op, or no op at all, instead of a writer call (~0.2 ms)
+            if self._buffers.replicas > 1 or not self._eager_rows.forward(
+                    slot.var, slot.row, tensor, check):
+                _write_forward(self._buffers.local(slot.var), slot.row_tensor, tensor, check)
+        else:
+            write_forward(self._buffers.local(slot.var), slot.row, tensor, check)
+
+    # -- the model's inputs -------------------------------------------------------------
+
+    def wrap_model_call(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``original`` (the watched model's ``call``), checking its floating inputs for
+        NaN/Inf first on recorded steps: one sum each, in the buffers the close reads, so that
+        a NaN the data brought is told from one the model made."""
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._check_inputs(args, kwargs)
+            return original(*args, **kwargs)
+
+        return call
+
+    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        eager = tf.executing_eagerly()
+        if eager and not self._ctx.recording:
+            return
+        with self._fail_open("model input"):
+            named = [(f"args.{i}", value) for i, value in enumerate(args)]
+            named += [(f"kwargs.{key}", value) for key, value in kwargs.items()]
+            for name, value in named:
+                leaves = tf.nest.flatten(value)
+                for j, leaf in enumerate(leaves):
+                    if not differentiable(leaf):
+                        continue
+                    slot = self._slot(self.inputs, name if len(leaves) == 1 else f"{name}.{j}",
+                                      eager)
+                    if slot is not None:
+                        self._write_forward(slot, leaf, True, eager)
 
     def _slot(self, layer: LayerSpec, tname: str, eager: bool) -> Slot | None:
         """The row of this call of ``layer``'s output ``tname``: calls are counted per graph
