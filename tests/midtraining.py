@@ -925,8 +925,8 @@ def masked_attention_row(at: int, block: int = 1, row: int = 5) -> Injected:
     """One row of one GPT attention mask made all ``-inf`` from step ``at`` on: the softmax of
     that row is NaN (0/0), in the forward pass. Torch only.
 
-    True source: ``blocks.{block}.attn`` (the softmax inside it; its first leaf layer to hold
-    the NaN is ``blocks.{block}.attn.attn_drop``). Cause: ``numerics``.
+    True source: ``blocks.{block}.attn`` (the softmax inside it, between its children; the
+    first child to receive the NaN is ``blocks.{block}.attn.attn_drop``). Cause: ``numerics``.
     """
     def apply(model: Any, optimizer: Any) -> None:
         model.blocks[block].attn.masked_row = row
