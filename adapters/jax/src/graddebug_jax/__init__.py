@@ -1,0 +1,35 @@
+"""JAX adapter for graddebug: Flax NNX models, taps in plain JAX functions and optax, with the
+statistics computed inside ``jax.jit``.
+
+Users reach the adapter through ``graddebug.watch(model)``, found through the ``graddebug``
+entry-point group; they import this package only for :func:`monitor`, the optax wrapper that
+records parameter gradients, weights and updates.
+
+Where things are:
+
+- ``plugin``: the entry point; ``adapter``: the Adapter protocol and its capabilities.
+- ``modules``: an NNX model's modules and parameters by graph path, and the wrapped calls.
+- ``sites``: the ``custom_vjp`` identities on layer outputs and taps, and the token chain that
+  batches their rows into one host transfer per backward pass.
+- ``stats``: the statistics, computed on the device; ``closing``: the rows turned into records.
+- ``optax_monitor``: the optax transformation, :func:`monitor`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from graddebug_jax.optax_monitor import monitor
+
+__all__ = ["monitor"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the entry point (graddebug_jax.plugin) loads this package in
+    # every process that uses graddebug, and must not import JAX where the user has not.
+    if name == "monitor":
+        from graddebug_jax.optax_monitor import monitor
+
+        return monitor
+    raise AttributeError(f"module 'graddebug_jax' has no attribute {name!r}")

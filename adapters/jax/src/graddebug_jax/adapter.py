@@ -1,0 +1,289 @@
+"""The JAX adapter: Flax NNX models, named arrays (``params=``), taps in plain JAX functions,
+and optax optimizers wrapped by :func:`graddebug_jax.monitor`.
+
+On attach it labels the watched modules and wraps their classes' ``__call__``
+(:mod:`.modules`); each output then passes through a ``jax.custom_vjp`` identity whose backward
+rule measures (and may alter) the cotangent (:mod:`.sites`). The statistics are computed inside
+the traced computation, eager or under ``jax.jit``/``nnx.jit``, and cross to the host in one
+callback per backward pass and one per optimizer update; :mod:`.closing` turns them into
+records when ``dbg.step()`` closes the step. Parameter gradients come from the optax monitor
+(``watch(optimizer=tx)``: the gradients, the weights and the applied updates) or from
+``dbg.step(grads)`` (a pytree of gradients, one compiled reduction and one transfer).
+
+No optimizer step closes a graddebug step: the update runs inside a compiled function, where
+calling back into the Watcher would run it on the runtime's thread in the middle of the user's
+next dispatch. So the loop calls ``dbg.step()`` after each training step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.capture.layers import Intervention, LayerSpec
+from graddebug.errors import ConfigError, GradDebugError, GradientCountError
+from graddebug_jax.closing import StepRows, given_rows
+from graddebug_jax.modules import ModelIndex, floating_leaves, patch_calls, path_name
+from graddebug_jax.optax_monitor import monitor_of
+from graddebug_jax.sites import Chains, probe
+
+__all__ = ["JaxAdapter"]
+
+_IDS = itertools.count(1)
+
+# Modules that cannot make NaN or Inf from finite inputs: a NaN they pass on is named where
+# it was made.
+_KEEPS_FINITE: tuple[type, ...] = (nnx.Dropout,)
+
+
+class JaxAdapter(BaseAdapter):
+    """Watches a Flax NNX model, named JAX arrays (``params=``), and taps."""
+
+    name = "jax"
+
+    def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
+                 options: WatchOptions) -> None:
+        if model is not None and not isinstance(model, nnx.Module):
+            raise ConfigError(
+                f"the JAX adapter watches Flax NNX modules, not {type(model).__name__}; pass "
+                "arrays as params={'name': w} or use dbg.tap(x, name) inside the function.")
+        super().__init__(context, options)
+        self._id = next(_IDS)
+        self._index = ModelIndex(model) if model is not None else None
+        self._targets: dict[str, nnx.Module] = {}
+        if self._index is not None:
+            self._targets = self._add_layers(
+                self._index.named, self._index.select(options.layers),
+                lambda module: False, lambda module: isinstance(module, _KEEPS_FINITE))
+        self._params = dict(params or {})
+        for key, value in self._params.items():
+            if not isinstance(value, (jax.Array, np.ndarray)):
+                raise ConfigError(
+                    f"params[{key!r}] is a {type(value).__name__}; the JAX adapter records "
+                    "jax arrays (the gradients then come from dbg.step(grads)).")
+        self._add_param_keys(self._params)
+        if options.keep:
+            context.warn_once("jax-keep", (
+                "graddebug: keep= is not supported by the JAX adapter yet; the kept layers "
+                "get rows, not dense gradients."))
+        self._rows = StepRows(self._name_param)
+        self._chains = Chains(self._rows.add_layers, context.internal_error)
+        self._patches: Any = None
+        self._monitors: list[Any] = []
+        self._names: dict[str, tuple[str, str, int]] = {}
+
+    # -- Adapter protocol -------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Label the watched modules and wrap their classes' ``__call__``."""
+        wanted = {n: m for n, m in self._targets.items() if self._layers[n].capture}
+        if wanted:
+            self._patches = patch_calls(self._id, wanted, self._on_call)
+
+    def detach(self) -> None:
+        """Unwrap the modules, unbind the optax monitors, forget what did not close."""
+        if self._patches is not None:
+            self._patches.remove()
+            self._patches = None
+        for mon in self._monitors:
+            mon.bind(None)
+        self._monitors.clear()
+        self._chains.reset()
+        self._rows.clear()
+
+    def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
+        """Pass ``tensor`` through the identity that records (and alters) its cotangent."""
+        if not isinstance(tensor, jax.Array) or not jnp.issubdtype(tensor.dtype, jnp.floating):
+            raise ConfigError(
+                f"tap({type(tensor).__name__}, {name!r}): the JAX adapter taps floating-point "
+                "jax arrays (and tracers inside jit/grad) only.")
+        layer = self._tap_layer(name, intervention)
+        if layer.depth < 0:
+            layer.depth = self._take_depth()
+        return self._chains.watch(tensor, layer, "output")
+
+    def has_pending(self) -> bool:
+        """Whether a backward pass or an update delivered rows since the last close (waits
+        for the callbacks in flight)."""
+        return self._rows.pending()
+
+    def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
+        """Wait for the callbacks, turn what arrived into records, add the rows of ``grads``
+        (a pytree of gradients, or a list aligned with ``params=``)."""
+        if not record:
+            self._rows.pending()
+            self._rows.clear()
+            return StepResult()
+        if grads is not None:
+            paths, leaves = self._given(grads)
+            rows = given_rows(leaves, self._options.param_stats == "full")
+            self._rows.add_params(paths, [tuple(np.shape(g)) for g in leaves], rows)
+        return self._rows.close(step)
+
+    @property
+    def transfers(self) -> int:
+        """Batches of statistics delivered to the host so far (one transfer each)."""
+        return self._rows.transfers
+
+    # -- capabilities -------------------------------------------------------------------------
+
+    def take_gradients(self, optimizer: Any) -> None:
+        """Record the gradients, weights and updates of an optax :func:`~graddebug_jax.monitor`
+        transformation (or of an ``nnx.Optimizer`` built with one) until ``detach``
+        (:class:`graddebug.adapter.GradientSource`).
+
+        Raises:
+            ConfigError: ``optimizer`` is not built on ``graddebug_jax.monitor``.
+        """
+        mon = monitor_of(optimizer)
+        if mon is None:
+            raise ConfigError(
+                f"optimizer={type(optimizer).__name__} is not a graddebug_jax.monitor(...) "
+                "transformation: wrap it, tx = graddebug_jax.monitor(optax.adam(1e-3)), build "
+                "the nnx.Optimizer from tx and pass optimizer=tx; or hand the gradients to "
+                "dbg.step(grads).")
+        mon.bind(self._on_update, self._options.param_stats == "full")
+        if mon not in self._monitors:
+            self._monitors.append(mon)
+
+    def train_step(self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any,
+                   optimizer: Any) -> Sequence[Any] | None:
+        """One eager step for ``graddebug.check``: ``loss_fn(model(inputs), *loss_args)`` and
+        its gradients (``nnx.value_and_grad``); ``optimizer.update(model, grads)`` when an
+        ``nnx.Optimizer`` is given. Returns the gradients (an ``nnx.State``)."""
+        model = self._index.model if self._index is not None else None
+        if model is None:
+            raise ConfigError("train_step needs a model; watch(model) was given none.")
+
+        def loss_of(m: Any) -> Any:
+            loss = loss_fn(m(inputs), *loss_args)
+            if jnp.size(loss) != 1:
+                raise ConfigError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}.")
+            return jnp.reshape(loss, ())
+
+        _, grads = nnx.value_and_grad(loss_of)(model)
+        if optimizer is not None:
+            optimizer.update(model, grads)
+        mon = monitor_of(optimizer)
+        if mon is not None and mon.sink is not None:
+            return None  # the monitor recorded them
+        return grads  # type: ignore[no-any-return]
+
+    def callback(self, **options: Any) -> Any:
+        """JAX has no training-loop callbacks: close each step with ``dbg.step()``.
+
+        Raises:
+            ConfigError: Always.
+        """
+        raise ConfigError(
+            "the JAX adapter has no training callback (JAX has no fit loop); call dbg.step() "
+            "after each jitted training step.")
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _on_call(self, name: str, call: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        """A watched module's call: its inputs probed, its floating outputs watched."""
+        layer = self._layers[name]
+        flags: list[list[bool]] = []
+        try:
+            args = tuple(self._probed(a, flags) for a in args)
+        except GradDebugError:
+            raise
+        except Exception as exc:  # fail-open: run the module untouched
+            self._ctx.internal_error(exc, name)
+            return call(*args, **kwargs)
+        out = call(*args, **kwargs)
+        with self._fail_open(name):
+            return self._watch_output(layer, out, any(f[0] for f in flags))
+        return out
+
+    @staticmethod
+    def _probed(arg: Any, flags: list[list[bool]]) -> Any:
+        if isinstance(arg, jax.Array) and jnp.issubdtype(arg.dtype, jnp.floating):
+            out, flag = probe(arg)
+            flags.append(flag)
+            return out
+        return arg
+
+    def _watch_output(self, layer: LayerSpec, out: Any, inputs_need_grad: bool) -> Any:
+        if layer.depth < 0:
+            layer.depth = self._take_depth()
+        watched = dict(floating_leaves(out))
+        if not watched:
+            return out
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
+        leaves = []
+        for path, leaf in with_paths:
+            label = "output" if not path else f"output.{path_name(path)}"
+            leaves.append(self._chains.watch(leaf, layer, label, inputs_need_grad)
+                          if label in watched else leaf)
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _on_update(self, paths: list[str], rows: np.ndarray) -> None:
+        """An optax monitor's rows (the runtime's thread)."""
+        self._rows.add_params(paths, self._shapes(paths), rows)
+
+    # -- parameters ---------------------------------------------------------------------
+
+    def _shapes(self, paths: list[str]) -> list[tuple[int, ...]]:
+        known = self._param_shapes()
+        return [known.get(p, ()) for p in paths]
+
+    def _param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = getattr(self, "_shape_cache", None)
+        if shapes is None:
+            shapes = {k: tuple(np.shape(v)) for k, v in self._params.items()}
+            if self._index is not None:
+                state = nnx.state(self._index.model, nnx.Param)
+                for path, var in nnx.to_flat_state(state):
+                    shapes[path_name(path)] = tuple(np.shape(var.get_value()))
+            self._shape_cache = shapes
+        return shapes
+
+    def _given(self, grads: Any) -> tuple[list[str], list[Any]]:
+        """Paths and leaves of the gradients handed to ``dbg.step(grads)``.
+
+        Raises:
+            GradientCountError: A list whose length is not that of ``params=``.
+        """
+        if self._params and isinstance(grads, (list, tuple)):
+            if len(grads) != len(self._params):
+                raise GradientCountError(
+                    f"dbg.step(grads) got {len(grads)} gradients for {len(self._params)} "
+                    f"params= entries ({', '.join(self._params)}); pass them in that order.")
+            return list(self._params), list(grads)
+        with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+        return [path_name(p) for p, _ in with_paths], [leaf for _, leaf in with_paths]
+
+    def _name_param(self, path: str) -> tuple[str, str, int]:
+        """``(layer, tensor, depth)`` of a parameter row, cached once its depth is known."""
+        named = self._names.get(path)
+        if named is None:
+            named = self._find_param(path)
+            if named[2] >= 0:
+                self._names[path] = named
+        return named
+
+    def _find_param(self, path: str) -> tuple[str, str, int]:
+        if path in self._params:
+            return path, path, self._layers[path].depth
+        if self._index is not None:
+            layer, tensor = self._index.param_name(path)
+            parts = layer.split(".")
+            chain = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+            return layer, tensor, self._depth_of([*chain, self._index.root])
+        layer, _, tensor = path.rpartition(".")
+        return (layer or path), (tensor or path), -1
+
+    def _model_layer_names(self) -> list[str]:
+        """Every module name of the model, watched or not (for suggestions)."""
+        return list(self._index.named) if self._index is not None else []
+

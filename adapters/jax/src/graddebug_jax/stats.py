@@ -1,0 +1,107 @@
+"""The statistics, computed inside the traced computation: one row of float32 numbers per
+gradient, stacked into one array per batch, so that a step's numbers cross to the host together.
+
+A layer-output row (:data:`ACT_COLUMNS`) holds the sum of squares and the sum (norm, mean and
+std follow on the host, :func:`graddebug.records.sums_record`), the largest absolute entry, the
+fraction of dead units (the last axis is the unit axis, as in Flax's channels-last layouts), the
+sum of squares before an intervention, and flags. NaN and Inf are read from the sum of squares
+and the absolute maximum (a NaN entry makes both NaN, an Inf entry makes the maximum Inf), so
+they cost no pass of their own.
+
+A parameter row (:data:`PARAM_COLUMNS`) holds the gradient's sum of squares (plus its sum and
+absolute maximum with ``param_stats="full"``), and the sums of squares of the weight and of the
+update the optimizer applied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "ACT_COLUMNS",
+    "PARAM_COLUMNS",
+    "activation_row",
+    "param_rows",
+    "units_of",
+]
+
+ACT_COLUMNS = ("sumsq", "total", "absmax", "zero_frac", "pre_sumsq", "present", "forward_bad")
+"""The columns of a layer-output row: ``present`` is 0 where no cotangent reached the output
+(a symbolic zero: the graph is cut above it), ``forward_bad`` 1 where the output held NaN or Inf
+in the forward pass."""
+
+PARAM_COLUMNS = ("sumsq", "total", "absmax", "weight_sumsq", "update_sumsq")
+"""The columns of a parameter row (NaN where not measured)."""
+
+def _nan() -> jax.Array:
+    """A float32 NaN made where it is used: a module-level jax array would be a constant that
+    every trace closes over, which jax 0.10's dispatch once fed one argument short."""
+    return jnp.full((), math.nan, jnp.float32)
+
+
+def units_of(shape: Sequence[int]) -> int:
+    """Number of units (last-axis entries) of a gradient with at least two axes, else 0."""
+    return int(shape[-1]) if len(shape) >= 2 else 0
+
+
+def activation_row(grad: Any, pre: Any, forward_bad: Any) -> jax.Array:
+    """The row of one layer-output cotangent.
+
+    Args:
+        grad: The cotangent that flows on (after any intervention), or None where no
+            cotangent reached the output.
+        pre: The cotangent before an intervention, or None where none acted.
+        forward_bad: A boolean scalar: the output held NaN or Inf in the forward pass.
+    """
+    bad = jnp.asarray(forward_bad, jnp.float32)
+    if grad is None:
+        zero = jnp.float32(0.0)
+        return jnp.stack([zero, zero, zero, _nan(), _nan(), zero, bad])
+    g = grad.astype(jnp.float32)
+    sumsq = jnp.sum(g * g)
+    total = jnp.sum(g)
+    absmax = jnp.max(jnp.abs(g)) if g.size else jnp.float32(0.0)
+    if g.ndim >= 2 and g.shape[-1]:
+        dead = jnp.all(g == 0, axis=tuple(range(g.ndim - 1)))
+        zero_frac = jnp.mean(dead.astype(jnp.float32))
+    else:
+        zero_frac = _nan()
+    if pre is None:
+        pre_sumsq = _nan()
+    else:
+        p = pre.astype(jnp.float32)
+        pre_sumsq = jnp.sum(p * p)
+    return jnp.stack([sumsq, total, absmax, zero_frac, pre_sumsq, jnp.float32(1.0), bad])
+
+
+def _sumsq(leaf: Any) -> jax.Array:
+    x = jnp.asarray(leaf).astype(jnp.float32)
+    return jnp.sum(x * x)
+
+
+def param_rows(grads: Sequence[Any], updates: Sequence[Any] | None,
+               weights: Sequence[Any] | None, full: bool) -> jax.Array:
+    """The rows of the parameter gradients, as one ``(len(grads), 5)`` float32 array.
+
+    Args:
+        grads: The gradient leaves.
+        updates: The updates the optimizer applies, aligned with ``grads``; None if unknown.
+        weights: The parameters the gradients were taken at, aligned; None if unknown.
+        full: Also measure each gradient's sum and absolute maximum.
+    """
+    rows = []
+    for i, grad in enumerate(grads):
+        g = jnp.asarray(grad).astype(jnp.float32)
+        total = jnp.sum(g) if full else _nan()
+        absmax = (jnp.max(jnp.abs(g)) if g.size else jnp.float32(0.0)) if full else _nan()
+        weight = _sumsq(weights[i]) if weights is not None else _nan()
+        update = _sumsq(updates[i]) if updates is not None else _nan()
+        rows.append(jnp.stack([jnp.sum(g * g), total, absmax, weight, update]))
+    if not rows:
+        return jnp.zeros((0, len(PARAM_COLUMNS)), jnp.float32)
+    return jnp.stack(rows)

@@ -1,0 +1,72 @@
+"""The core's diagnoses on JAX rows: vanishing, exploding, dead, nonfinite, cut_graph, and no
+finding for a healthy model."""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+optax = pytest.importorskip("optax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import graddebug  # noqa: E402
+from jax_models import MLP, CutNet, batch, square_loss  # noqa: E402
+
+
+def run(model, x, steps=3, loss=square_loss, **options):
+    with graddebug.watch(model, **options) as dbg:
+        step = nnx.jit(nnx.grad(loss))
+        for _ in range(steps):
+            dbg.step(step(model, x))
+    return dbg
+
+
+def issues(dbg):
+    return set(dbg.findings()["issue"])
+
+
+def test_a_stop_gradient_inside_a_module_is_named_as_a_cut_graph():
+    dbg = run(CutNet(), batch())
+    found = dbg.findings().query("issue == 'cut_graph'")
+    assert "cut" in set(found["layer"])
+    assert "first" not in set(dbg.frame().query("kind == 'activation'")["layer"])
+
+
+def test_a_deep_sigmoid_stack_vanishes():
+    model = MLP([4] + [32] * 12 + [1], act=jax.nn.sigmoid)
+    assert "vanishing" in issues(run(model, batch()))
+
+
+def test_large_weights_explode():
+    model = MLP([4] + [64] * 6 + [1], act=lambda h: h)
+    for layer in model.layers:
+        layer.kernel.set_value(layer.kernel.get_value() * 12.0)
+    assert "exploding" in issues(run(model, batch()))
+
+
+def test_dead_relu_units_are_found():
+    model = MLP([4, 32, 32, 1])
+    model.layers[0].bias.set_value(jnp.full((32,), -50.0))
+    assert "dead" in issues(run(model, batch()))
+
+
+def test_nonfinite_is_born_at_the_layer_whose_forward_made_it():
+    model = MLP([4, 8, 8, 1])
+
+    def loss(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    model.layers[1].kernel.set_value(model.layers[1].kernel.get_value() * jnp.inf)
+    dbg = run(model, batch(), steps=1, loss=loss)
+    found = dbg.findings().query("issue == 'nonfinite'")
+    assert not found.empty
+    assert found.iloc[0]["layer"] == "layers.1"
+
+
+def test_a_healthy_relu_net_has_no_finding():
+    model = MLP([4, 64, 64, 64, 3], seed=2)
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, 4))
+    dbg = run(model, x, steps=5)
+    assert dbg.findings().empty, dbg.findings()[["layer", "issue", "message"]]
