@@ -1,0 +1,338 @@
+"""Keras 3 on the JAX backend: :mod:`graddebug_jax`'s identities and rows, inside Keras's own
+compiled train step.
+
+``model.fit`` runs a jitted, stateless train step: ``jax.value_and_grad`` of the loss over the
+trainable variables' values, then ``optimizer.stateless_apply``. Nothing of it can call back
+into Python as it runs, and no gradient is left on a variable. So graddebug puts its work into
+the traced computation itself, where it is compiled with the step:
+
+- each watched layer's ``call`` is wrapped on the instance: its floating outputs pass through
+  the ``jax.custom_vjp`` identities of :class:`graddebug_jax.sites.Chains`, whose backward rule
+  measures the gradient at the output and hands the whole backward pass's rows to the host in
+  one ``jax.debug.callback``;
+- the optimizer's ``stateless_apply`` (and its eager ``apply``) is wrapped on the instance:
+  it measures the gradients it is handed, the weights they were taken at and the update it
+  makes (:func:`graddebug_jax.stats.param_rows`), in one more callback.
+
+Keras's compiled functions are dropped on entering and on leaving, so that the next ``fit``
+traces the wrapped (then the plain) step. The step closes at the callback's
+``on_train_batch_end`` (or ``dbg.step()``), which waits for the callbacks in flight.
+
+Not recorded on this backend: ``keep=`` (dense gradients), op-level capture (``ops=``,
+``escalate=``), and parameters that get no gradient (Keras differentiates every trainable
+variable, and an unreached one gets zeros, not None); one warning says so where asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.capture.layers import Intervention, LayerSpec
+from graddebug.errors import ConfigError, GradDebugError, GradientCountError
+from graddebug_jax.closing import StepRows, given_rows
+from graddebug_jax.modules import floating_leaves
+from graddebug_jax.sites import Chains, probe
+from graddebug_jax.stats import param_rows
+from graddebug_keras.callback import build_callback
+from graddebug_keras.layers import KerasLayers, channels_first
+from graddebug_keras.optimizers import Wrapped, check_keras_optimizer
+
+__all__ = ["KerasJaxAdapter"]
+
+_COMPILED = ("train_function", "test_function", "predict_function")
+
+
+class KerasJaxAdapter(BaseAdapter):
+    """Watches a Keras model or layer on the JAX backend, and taps."""
+
+    name = "keras-jax"
+
+    def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
+                 options: WatchOptions) -> None:
+        if params:
+            raise ConfigError(
+                "params= is not supported with a Keras model on the JAX backend: its "
+                "trainable variables are recorded already; tap(x, name) records other arrays.")
+        super().__init__(context, options)
+        self._index = KerasLayers(model)
+        self._targets = self._add_layers(self._index.named,
+                                         self._index.select(options.layers), channels_first)
+        self._rows = StepRows(self._name_param)
+        self._chains = Chains(self._rows.add_layers, context.internal_error)
+        self._wrapped: list[Wrapped] = []
+        self._optimizers: list[Any] = []
+        self._attached = False
+        self._applying = False
+        self._names: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+        for layer, short, var in self._index.variables():
+            self._names[str(var.path)] = (layer, short, self._index.chain(layer))
+        missing = [name for name, asked in (("keep=", bool(options.keep)),
+                                            ("ops=", options.ops),
+                                            ("escalate=", options.escalate)) if asked]
+        if missing:
+            context.warn_once("keras-jax-gaps", (
+                f"graddebug: {', '.join(missing)} is not supported for Keras on the JAX "
+                "backend: Keras's train step is one compiled JAX function, in which graddebug "
+                "measures gradients but keeps no dense copies and sees no single operation. "
+                "Layer outputs and parameters are recorded as rows."))
+
+    # -- Adapter protocol -------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Wrap the watched layers' ``call`` and the model's optimizer; drop the compiled
+        functions, so that the next ``fit`` traces the wrapped step."""
+        self._attached = True
+        for name, layer in self._targets.items():
+            if self._layers[name].capture:
+                self._wrapped.append(Wrapped(layer, "call", self._wrap_call(name)))
+        optimizer = getattr(self._index.model, "optimizer", None)
+        if optimizer is not None:
+            self.take_gradients(optimizer)
+        self._reset_compiled()
+
+    def detach(self) -> None:
+        """Unwrap the layers and optimizers; drop the compiled functions that hold the
+        wrapped step; forget what did not close."""
+        self._attached = False
+        while self._wrapped:
+            self._wrapped.pop().restore()
+        self._optimizers.clear()
+        self._reset_compiled()
+        self._chains.reset()
+        self._rows.clear()
+
+    def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
+        """Pass ``tensor`` through the identity that records (and alters) its gradient."""
+        if not isinstance(tensor, jax.Array) or not jnp.issubdtype(tensor.dtype, jnp.floating):
+            raise ConfigError(
+                f"tap({type(tensor).__name__}, {name!r}): Keras on the JAX backend taps "
+                "floating-point jax arrays (and tracers inside jit/grad) only.")
+        layer = self._tap_layer(name, intervention)
+        if layer.depth < 0:
+            layer.depth = self._take_depth()
+        return self._chains.watch(tensor, layer, "output")
+
+    def has_pending(self) -> bool:
+        """Whether a backward pass or an update delivered rows since the last close (waits
+        for the callbacks in flight)."""
+        return self._rows.pending()
+
+    def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
+        """Wait for the callbacks, turn what arrived into records, add the rows of ``grads``
+        (a list aligned with ``model.trainable_variables``).
+
+        Raises:
+            GradientCountError: ``grads`` does not match the trainable variables.
+        """
+        if not record:
+            self._rows.pending()
+            self._rows.clear()
+            return StepResult()
+        if grads is not None:
+            variables = self._index.model.trainable_variables
+            leaves = list(grads)
+            if len(leaves) != len(variables):
+                raise GradientCountError(
+                    f"dbg.step(grads) got {len(leaves)} gradients for {len(variables)} "
+                    "trainable variables; pass them in the order of model.trainable_variables.")
+            rows = given_rows(leaves, self._options.param_stats == "full")
+            self._rows.add_params([str(v.path) for v in variables],
+                                  [tuple(v.shape) for v in variables], rows)
+        return self._rows.close(step)
+
+    # -- capabilities -------------------------------------------------------------------------
+
+    def take_gradients(self, optimizer: Any) -> None:
+        """Record the gradients, weights and updates of a Keras optimizer until ``detach``
+        (:class:`graddebug.adapter.GradientSource`); binding it twice changes nothing.
+
+        Raises:
+            ConfigError: ``optimizer`` is not a Keras optimizer.
+        """
+        check_keras_optimizer(optimizer)
+        if any(opt is optimizer for opt in self._optimizers):
+            return
+        self._optimizers.append(optimizer)
+        self._wrapped.append(Wrapped(optimizer, "stateless_apply", self._wrap_stateless))
+        self._wrapped.append(Wrapped(optimizer, "apply", self._wrap_apply))
+
+    def train_step(self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any,
+                   optimizer: Any) -> Sequence[Any] | None:
+        """One eager step for ``graddebug.check``: the gradients of
+        ``loss_fn(model(inputs), *loss_args)`` over the trainable variables
+        (``model.stateless_call`` under ``jax.grad``), applied by a Keras ``optimizer`` when
+        one is given (which records them); else returned for the close."""
+        model = self._index.model
+        trainable = [v.value for v in model.trainable_variables]
+        frozen = [v.value for v in model.non_trainable_variables]
+
+        def loss_of(values: list[Any]) -> Any:
+            out, _ = model.stateless_call(values, frozen, inputs, training=True)
+            loss = loss_fn(out, *loss_args)
+            if jnp.size(loss) != 1:
+                raise ConfigError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}.")
+            return jnp.reshape(loss, ())
+
+        grads = jax.grad(loss_of)(trainable)
+        if optimizer is None:
+            return list(grads)
+        self.take_gradients(optimizer)
+        optimizer.apply(grads, model.trainable_variables)
+        return None
+
+    def callback(self, **options: Any) -> Any:
+        """Return a Keras callback bound to this Watcher (``model.fit(callbacks=[...])``); it
+        binds the model's optimizer when training begins.
+
+        Args:
+            **options: ``stop_on=``, ``log=`` and ``every_tensor=`` of
+                :class:`graddebug_keras.callback.KerasCallback`.
+
+        Raises:
+            ConfigError: An option that is not the callback's.
+        """
+        return build_callback(self._ctx, self._prepare, options)
+
+    # -- hooks (run while Keras traces its step) ------------------------------------------
+
+    def _prepare(self, model: Any) -> None:
+        """Training begins: bind the optimizer ``compile`` gave the model."""
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not any(o is optimizer for o in self._optimizers):
+            self.take_gradients(optimizer)
+            self._reset_compiled()
+
+    def _wrap_call(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        layer = self._layers[name]
+
+        def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                flags: list[list[bool]] = []
+                try:
+                    args = tuple(_probed(a, flags) for a in args)
+                except GradDebugError:
+                    raise
+                except Exception as exc:  # fail-open: run the layer untouched
+                    self._ctx.internal_error(exc, name)
+                    return call(*args, **kwargs)
+                out = call(*args, **kwargs)
+                with self._fail_open(name):
+                    return self._watch_output(layer, out, any(f[0] for f in flags))
+                return out
+
+            return watched
+
+        return wrap
+
+    def _watch_output(self, layer: LayerSpec, out: Any, inputs_need_grad: bool) -> Any:
+        watched = dict(floating_leaves(out))
+        if not watched:  # a symbolic call (Keras tensors) or an integer output
+            return out
+        if layer.depth < 0:
+            layer.depth = self._take_depth()
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
+        leaves = []
+        for (label, leaf), (_, original) in zip(_labelled(with_paths), with_paths,
+                                                strict=True):
+            leaves.append(self._chains.watch(leaf, layer, label, inputs_need_grad)
+                          if label in watched else original)
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _wrap_stateless(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def stateless_apply(optimizer_variables: Any, grads: Any, trainable_variables: Any
+                            ) -> Any:
+            self._applying = True
+            try:
+                out = original(optimizer_variables, grads, trainable_variables)
+            finally:
+                self._applying = False
+            with self._fail_open("optimizer"):
+                self._measure(list(grads), list(trainable_variables), list(out[0]))
+            return out
+
+        return stateless_apply
+
+    def _wrap_apply(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def apply(grads: Any, trainable_variables: Any = None) -> Any:
+            if self._applying:
+                return original(grads, trainable_variables)
+            variables = list(trainable_variables if trainable_variables is not None
+                             else self._index.model.trainable_variables)
+            before = [v.value for v in variables]
+            grads = list(grads)
+            self._applying = True
+            try:
+                out = original(grads, trainable_variables)
+            finally:
+                self._applying = False
+            with self._fail_open("optimizer"):
+                self._measure(grads, before, [v.value for v in variables],
+                              [str(v.path) for v in variables])
+            return out
+
+        return apply
+
+    def _measure(self, grads: list[Any], before: list[Any], after: list[Any],
+                 paths: list[str] | None = None) -> None:
+        """Queue the parameter rows of one update (traced or eager) and their callback."""
+        if paths is None:
+            variables = self._index.model.trainable_variables
+            if len(variables) != len(grads):
+                self._ctx.warn_once("keras-jax-variables", (
+                    f"graddebug: the optimizer applied {len(grads)} gradients to a model of "
+                    f"{len(variables)} trainable variables; its parameter rows are left out."))
+                return
+            paths = [str(v.path) for v in variables]
+        shapes = [tuple(np.shape(g)) for g in grads]
+        updates = [a - b for a, b in zip(after, before, strict=True)]
+        rows = param_rows(grads, updates, before, self._options.param_stats == "full")
+
+        def deliver(values: Any) -> None:
+            if self._attached:  # read when the step runs, not when it was traced
+                self._rows.add_params(paths, shapes, np.asarray(values))
+
+        jax.debug.callback(deliver, rows)
+
+    # -- names ----------------------------------------------------------------------------
+
+    def _name_param(self, path: str) -> tuple[str, str, int]:
+        """``(layer, tensor, depth)`` of a parameter row."""
+        named = self._names.get(path)
+        if named is None:
+            layer, _, short = path.rpartition("/")
+            return layer or self._index.root, short or path, -1
+        layer, short, chain = named
+        return layer, short, self._depth_of(chain)
+
+    def _model_layer_names(self) -> list[str]:
+        """Every layer name of the model, watched or not (for suggestions)."""
+        return [*self._index.named, self._index.root]
+
+    def _reset_compiled(self) -> None:
+        """Drop the functions Keras compiled, so that the next call traces again."""
+        model = self._index.model
+        for attr in _COMPILED:
+            if getattr(model, attr, None) is not None:
+                setattr(model, attr, None)
+
+
+def _probed(arg: Any, flags: list[list[bool]]) -> Any:
+    if isinstance(arg, jax.Array) and jnp.issubdtype(arg.dtype, jnp.floating):
+        out, flag = probe(arg)
+        flags.append(flag)
+        return out
+    return arg
+
+
+def _labelled(with_paths: list[tuple[Any, Any]]) -> list[tuple[str, Any]]:
+    """The ``tensor`` label of each output leaf, as :func:`floating_leaves` names them."""
+    from graddebug_jax.modules import path_name
+
+    return [("output" if not path else f"output.{path_name(path)}", leaf)
+            for path, leaf in with_paths]

@@ -1,0 +1,132 @@
+"""Keras 3 on the torch backend: the torch adapter's hooks, with Keras's names.
+
+A Keras layer on this backend is a ``torch.nn.Module`` whose ``__call__`` runs torch's module
+hooks, and its variables' values are ``torch.nn.Parameter`` objects that ``loss.backward()``
+fills. So :class:`graddebug_torch.adapter.TorchAdapter` does the capture, unchanged: a forward
+hook per watched layer attaches the tensor hooks to its outputs, a post-accumulate-grad hook per
+variable sees its gradient, and the close reads ``p.grad`` in one transfer. What differs is
+where the layers are: Keras keeps its sub-layers in its own tracker, not as torch child
+modules, so they are found through Keras (:mod:`graddebug_keras.layers`) and named as on the
+TensorFlow backend: the Keras layer name, and the variable's short name (``kernel``, ``bias``).
+
+Keras's optimizer is not a torch optimizer: the step boundary is the callback's
+``on_train_batch_end``, or, with ``watch(model, optimizer=opt)``, the end of ``opt.apply``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from graddebug.adapter import WatchContext, WatchOptions
+from graddebug.errors import ConfigError
+from graddebug_keras.callback import build_callback
+from graddebug_keras.layers import KerasLayers, channels_first
+from graddebug_keras.optimizers import Wrapped, check_keras_optimizer
+from graddebug_torch.adapter import TorchAdapter
+from graddebug_torch.params import TorchParam, given_params, number_groups
+
+__all__ = ["KerasTorchAdapter"]
+
+
+class KerasTorchAdapter(TorchAdapter):
+    """Watches a Keras model or layer on the torch backend."""
+
+    name = "keras-torch"
+
+    def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
+                 options: WatchOptions) -> None:
+        self._index = KerasLayers(model)
+        self._wrapped: list[Wrapped] = []
+        super().__init__(context, model, params, options)
+
+    # -- what is watched, by Keras's names --------------------------------------------------
+
+    def _resolve(self, params: Mapping[str, Any] | None) -> None:
+        """The watched layers (leaf layers by default) and their variables' parameters."""
+        options, index = self._options, self._index
+        self._modules = self._add_layers(index.named, index.select(options.layers),
+                                         channels_first)
+        chosen = None if options.layers is None else set(self._modules)
+        found: list[TorchParam] = []
+        for layer, short, var in index.variables():
+            chain = index.chain(layer)
+            if chosen is not None and not any(name in chosen for name in chain):
+                continue
+            value = var.value
+            if not isinstance(value, torch.Tensor):
+                raise ConfigError(
+                    f"the variable {var.path!r} of {index.root!r} holds a "
+                    f"{type(value).__name__}, not a torch tensor: is the model built on "
+                    "another Keras backend?")
+            found.append(TorchParam(layer, short, value, chain, keep=layer in options.keep))
+        self._params = found
+        if params:
+            self._params += given_params(params, options.keep)
+            self._add_param_keys(params)
+        number_groups(self._params)
+
+    def _name(self, qualified: str) -> str:
+        """Keras names are layer names already; the model's own is its Keras name."""
+        return qualified or self._index.root
+
+    def _model_layer_names(self) -> list[str]:
+        """Every layer name of the model, watched or not (for suggestions)."""
+        return [*self._index.named, self._index.root]
+
+    # -- the step boundary ------------------------------------------------------------------
+
+    def follow_optimizer(self, optimizer: Any, on_step: Callable[[], None]) -> None:
+        """Call ``on_step`` after each ``optimizer.apply`` of a Keras optimizer (its
+        ``apply_gradients`` goes through it), until ``detach``: the gradients are still on
+        ``p.grad`` then.
+
+        Raises:
+            ConfigError: ``optimizer`` is not a Keras optimizer.
+        """
+        check_keras_optimizer(optimizer)
+        def apply(original: Callable[..., Any]) -> Callable[..., Any]:
+            def applied(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                on_step()
+                return out
+            return applied
+
+        self._wrapped.append(Wrapped(optimizer, "apply", apply))
+
+    def detach(self) -> None:
+        """Unwrap the optimizers, then everything the torch adapter installed."""
+        while self._wrapped:
+            self._wrapped.pop().restore()
+        super().detach()
+
+    # -- Training capability ----------------------------------------------------------------
+
+    def train_step(self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any,
+                   optimizer: Any) -> Sequence[Any] | None:
+        """Zero the gradients, back-propagate ``loss_fn(model(inputs), *loss_args)``, and
+        apply a Keras ``optimizer`` when given (as Keras's own train step does). Gradients
+        stay on ``p.grad`` for ``close_step``."""
+        if optimizer is not None:
+            check_keras_optimizer(optimizer)
+        super().train_step(inputs, loss_args, loss_fn, None)
+        if optimizer is not None:
+            variables = self._index.model.trainable_variables
+            with torch.no_grad():
+                optimizer.apply([v.value.grad for v in variables], variables)
+        return None
+
+    def callback(self, **options: Any) -> Any:
+        """Return a Keras callback bound to this Watcher (``model.fit(callbacks=[...])``).
+
+        Args:
+            **options: ``stop_on=``, ``log=`` and ``every_tensor=`` of
+                :class:`graddebug_keras.callback.KerasCallback`.
+
+        Raises:
+            ConfigError: An option that is not the callback's.
+        """
+        return build_callback(self._ctx, lambda model: None, options)
+

@@ -1,0 +1,334 @@
+"""Keras 3 on every backend: a Keras model is claimed by a Keras code path whatever its backend,
+``dbg.callback()`` is a Keras callback, and ``fit`` records the same gradients on the
+TensorFlow, torch and JAX backends, equal to each backend's own autodiff and to a numpy
+back-propagation written out by hand.
+
+Keras picks its backend once per process (``KERAS_BACKEND``), so each backend runs in one child
+process, which does everything this module asks of that backend and prints its answers as
+JSON; the tests compare them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import types
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("keras")
+
+BACKENDS = ("tensorflow", "torch", "jax")
+SIZES = (4, 5, 3, 2)  # Dense(5, tanh) -> Dense(3, sigmoid) -> Dense(2)
+LAYERS = ("d1", "d2", "d3")
+BATCH = 6
+
+
+def weights_and_batch() -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
+    """The MLP's weights and one batch, from a fixed seed (the children build the same)."""
+    rng = np.random.RandomState(7)
+    weights = [(rng.randn(a, b).astype("float32") * 0.8, rng.randn(b).astype("float32") * 0.3)
+               for a, b in itertools.pairwise(SIZES)]
+    x = rng.randn(BATCH, SIZES[0]).astype("float32")
+    y = rng.randn(BATCH, SIZES[-1]).astype("float32")
+    return weights, x, y
+
+
+CHILD = r'''
+import json, os, sys, warnings
+import numpy as np
+sys.path.insert(0, os.environ["GD_TESTS"])
+from test_keras3_backends import LAYERS, SIZES, weights_and_batch
+import keras
+import graddebug
+from graddebug.errors import GradDebugWarning
+from graddebug.plugins import find_adapter, get_plugin_manager
+
+backend = keras.backend.backend()
+weights, x, y = weights_and_batch()
+out = {"backend": backend}
+warnings.simplefilter("always", GradDebugWarning)
+caught = []
+warnings.showwarning = lambda m, c, *a, **k: caught.append(str(m)) if issubclass(
+    c, GradDebugWarning) else None
+
+
+def mlp():
+    acts = ("tanh", "sigmoid", None)
+    model = keras.Sequential([keras.Input((SIZES[0],))] + [
+        keras.layers.Dense(b, activation=act, name=name)
+        for b, act, name in zip(SIZES[1:], acts, LAYERS)])
+    for layer, (w, b) in zip(model.layers, weights):
+        layer.set_weights([w, b])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def norms(frame, step=0):
+    rows = frame[frame["step"] == step]
+    return {f"{r.layer}.{r.tensor}" if r.kind == "parameter" else f"{r.layer}.{r.kind}":
+            float(r.norm) for r in rows.itertuples() if r.kind in ("parameter", "activation")}
+
+
+def reference():
+    """Gradients by the backend's own autodiff: parameters and layer outputs."""
+    named = {}
+    if backend == "torch":
+        import torch
+        t = lambda a: torch.tensor(a, requires_grad=True)
+        params = [(t(w), t(b)) for w, b in weights]
+        h1 = torch.tanh(torch.tensor(x) @ params[0][0] + params[0][1])
+        h2 = torch.sigmoid(h1 @ params[1][0] + params[1][1])
+        o = h2 @ params[2][0] + params[2][1]
+        for h in (h1, h2, o):
+            h.retain_grad()
+        torch.mean((o - torch.tensor(y)) ** 2).backward()
+        for name, (w, b) in zip(LAYERS, params):
+            named[f"{name}.kernel"], named[f"{name}.bias"] = w.grad, b.grad
+        for name, h in zip(LAYERS, (h1, h2, o)):
+            named[f"{name}.activation"] = h.grad
+        return {k: float(torch.linalg.vector_norm(v)) for k, v in named.items()}
+    if backend == "jax":
+        import jax, jax.numpy as jnp
+        def loss(params, eps):
+            h1 = jnp.tanh(x @ params[0][0] + params[0][1]) + eps[0]
+            h2 = jax.nn.sigmoid(h1 @ params[1][0] + params[1][1]) + eps[1]
+            o = h2 @ params[2][0] + params[2][1] + eps[2]
+            return jnp.mean((o - y) ** 2)
+        eps = [jnp.zeros((len(x), n)) for n in SIZES[1:]]
+        gp, ge = jax.grad(loss, argnums=(0, 1))([tuple(map(jnp.asarray, p)) for p in weights],
+                                              eps)
+        for name, (w, b), e in zip(LAYERS, gp, ge):
+            named[f"{name}.kernel"], named[f"{name}.bias"] = w, b
+            named[f"{name}.activation"] = e
+        return {k: float(jnp.linalg.norm(jnp.ravel(v))) for k, v in named.items()}
+    import tensorflow as tf
+    params = [(tf.Variable(w), tf.Variable(b)) for w, b in weights]
+    with tf.GradientTape(persistent=True) as tape:
+        h1 = tf.tanh(x @ params[0][0] + params[0][1])
+        h2 = tf.sigmoid(h1 @ params[1][0] + params[1][1])
+        o = h2 @ params[2][0] + params[2][1]
+        loss = tf.reduce_mean((o - y) ** 2)
+    for name, (w, b), h in zip(LAYERS, params, (h1, h2, o)):
+        gw, gb, gh = tape.gradient(loss, [w, b, h])
+        named[f"{name}.kernel"], named[f"{name}.bias"] = gw, gb
+        named[f"{name}.activation"] = gh
+    return {k: float(tf.norm(tf.reshape(v, [-1]))) for k, v in named.items()}
+
+
+out["reference"] = reference()
+model = mlp()
+out["adapter"] = find_adapter(get_plugin_manager(), model).__name__
+with graddebug.watch(model) as dbg:
+    callback = dbg.callback()
+    out["callback_is_keras"] = isinstance(callback, keras.callbacks.Callback)
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, shuffle=False, callbacks=[callback])
+out["fit"] = norms(dbg.frame())
+out["fit_steps"] = sorted(set(dbg.frame()["step"].tolist()))
+out["fit_findings"] = dbg.findings()["issue"].tolist()
+
+model = mlp()
+# TensorFlow keeps no gradient on a variable: its Keras path takes them from optimizer=.
+with graddebug.watch(model, **({"optimizer": model.optimizer} if backend == "tensorflow"
+                               else {})) as dbg:
+    model.train_on_batch(x, y)
+    dbg.step()
+out["train_on_batch"] = norms(dbg.frame())
+if backend == "torch":  # torch's step clock: each optimizer.apply closes the step
+    model = mlp()
+    with graddebug.watch(model, optimizer=model.optimizer) as dbg:
+        model.train_on_batch(x, y)
+        model.train_on_batch(x, y)
+    out["apply_closes"] = norms(dbg.frame())
+    out["apply_steps"] = sorted(set(dbg.frame()["step"].tolist()))
+
+rng = np.random.RandomState(0)
+xs, ys = rng.randn(64, 4).astype("float32"), rng.randn(64, 1).astype("float32")
+keras.utils.set_random_seed(0)
+deep = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(32, activation="sigmoid")
+                                               for _ in range(12)] + [keras.layers.Dense(1)])
+deep.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+with graddebug.watch(deep) as dbg:
+    deep.fit(xs, ys, batch_size=64, epochs=3, verbose=0, callbacks=[dbg.callback()])
+out["sigmoid_issues"] = sorted(set(dbg.findings()["issue"]))
+out["sigmoid_kinds"] = sorted(set(dbg.frame()["kind"]))
+
+keras.utils.set_random_seed(2)
+healthy = keras.Sequential([keras.Input((4,))] + [
+    keras.layers.Dense(64, activation="relu", kernel_initializer="he_normal")
+    for _ in range(3)] + [keras.layers.Dense(3)])
+healthy.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+with graddebug.watch(healthy) as dbg:
+    healthy.fit(xs, rng.randn(64, 3).astype("float32"), batch_size=64, epochs=5, verbose=0,
+                callbacks=[dbg.callback()])
+out["healthy_findings"] = dbg.findings()[["layer", "issue"]].values.tolist()
+out["healthy_steps"] = int(dbg.frame()["step"].max()) + 1
+out["warnings"] = list(caught)
+if backend == "jax":  # keep= has no dense copies on this backend: one warning, rows go on
+    caught.clear()
+    model = mlp()
+    with graddebug.watch(model, keep={"d1"}) as dbg:
+        model.fit(x, y, batch_size=len(x), epochs=2, verbose=0, callbacks=[dbg.callback()])
+    out["keep_warnings"] = list(caught)
+    out["keep"] = norms(dbg.frame())
+print("GD-RESULT " + json.dumps(out))
+'''
+
+
+@cache
+def child(backend: str) -> dict[str, Any]:
+    """Run the child for ``backend`` once per session; its JSON answers."""
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "TF_ENABLE_ONEDNN_OPTS": "0", "GD_TESTS": os.path.dirname(__file__),
+           "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("GD-RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("GD-RESULT "):])
+
+
+def numpy_reference() -> dict[str, float]:
+    """The gradients of the MLP's MSE loss, back-propagated by hand in float64."""
+    weights, x, y = weights_and_batch()
+    (w1, b1), (w2, b2), (w3, b3) = [(w.astype(float), b.astype(float)) for w, b in weights]
+    x, y = x.astype(float), y.astype(float)
+    h1 = np.tanh(x @ w1 + b1)
+    h2 = 1 / (1 + np.exp(-(h1 @ w2 + b2)))
+    o = h2 @ w3 + b3
+    g_o = 2 * (o - y) / o.size
+    g_h2 = g_o @ w3.T
+    g_z2 = g_h2 * h2 * (1 - h2)
+    g_h1 = g_z2 @ w2.T
+    g_z1 = g_h1 * (1 - h1 ** 2)
+    grads = {"d3.kernel": h2.T @ g_o, "d3.bias": g_o.sum(0), "d2.kernel": h1.T @ g_z2,
+             "d2.bias": g_z2.sum(0), "d1.kernel": x.T @ g_z1, "d1.bias": g_z1.sum(0),
+             "d1.activation": g_h1, "d2.activation": g_h2, "d3.activation": g_o}
+    return {k: float(np.linalg.norm(v)) for k, v in grads.items()}
+
+
+PARAMS = tuple(f"{layer}.{t}" for layer in LAYERS for t in ("kernel", "bias"))
+OUTPUTS = tuple(f"{layer}.activation" for layer in LAYERS)
+
+
+# -- the claim, without a backend (fake Keras modules) --------------------------------------
+
+def fake_keras(monkeypatch: pytest.MonkeyPatch, backend: str, base: type = object) -> type:
+    """Put a stand-in ``keras`` in ``sys.modules`` whose layers derive from ``base``."""
+    layer = type("Layer", (base,), {})
+    module = types.SimpleNamespace(layers=types.SimpleNamespace(Layer=layer),
+                                   backend=types.SimpleNamespace(backend=lambda: backend))
+    monkeypatch.setitem(sys.modules, "keras", module)
+    return layer
+
+
+def test_the_torch_plugin_hands_a_keras_layer_on_torch_over_and_keeps_plain_modules(
+        monkeypatch):
+    torch = pytest.importorskip("torch")
+    from graddebug_keras import plugin as keras_plugin
+    from graddebug_torch import plugin as torch_plugin
+
+    layer = fake_keras(monkeypatch, "torch", torch.nn.Module)()
+    assert torch_plugin.graddebug_adapter(layer) is None
+    assert keras_plugin.keras_backend(layer) == "torch"
+    assert torch_plugin.graddebug_adapter(torch.nn.Linear(2, 2)).__name__ == "TorchAdapter"
+    assert keras_plugin.graddebug_adapter(torch.nn.Linear(2, 2)) is None
+
+
+def test_the_keras_plugin_leaves_the_tensorflow_backend_and_non_keras_objects_alone(
+        monkeypatch):
+    from graddebug_keras import plugin as keras_plugin
+
+    layer = fake_keras(monkeypatch, "tensorflow")()
+    assert keras_plugin.keras_backend(layer) == "tensorflow"
+    assert keras_plugin.graddebug_adapter(layer) is None
+    assert keras_plugin.graddebug_adapter(object()) is None
+    monkeypatch.delitem(sys.modules, "keras")
+    assert keras_plugin.graddebug_adapter(layer) is None
+
+
+def test_the_keras_plugin_runs_before_the_torch_and_tensorflow_plugins():
+    from graddebug.plugins import get_plugin_manager
+
+    impls = get_plugin_manager().hook.graddebug_adapter.get_hookimpls()
+    keras_impl = next(i for i in impls if i.plugin_name == "keras")
+    assert keras_impl.tryfirst
+    # pluggy calls the hook implementations from the end of this list.
+    assert impls[-1].plugin_name == "keras"
+
+
+# -- every backend, in its own child ----------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_is_claimed_by_a_keras_path_and_its_callback_is_a_keras_callback(backend):
+    got = child(backend)
+    assert got["backend"] == backend
+    expected = {"tensorflow": "TensorFlowAdapter", "torch": "KerasTorchAdapter",
+                "jax": "KerasJaxAdapter"}[backend]
+    assert got["adapter"] == expected
+    assert got["callback_is_keras"]
+    assert got["fit_steps"] == [0]
+    assert got["warnings"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fit_records_the_gradients_the_backends_own_autodiff_gives(backend):
+    got = child(backend)
+    reference = got["reference"]
+    for name in (*PARAMS, *OUTPUTS):
+        assert got["fit"][name] == pytest.approx(reference[name], rel=1e-5), name
+        assert got["train_on_batch"][name] == pytest.approx(reference[name], rel=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fit_agrees_with_a_numpy_backpropagation(backend):
+    got, expected = child(backend), numpy_reference()
+    for name in (*PARAMS, *OUTPUTS):
+        assert got["fit"][name] == pytest.approx(expected[name], rel=1e-4), name
+
+
+@pytest.mark.slow
+def test_on_torch_each_keras_optimizer_apply_closes_a_step_under_optimizer():
+    got = child("torch")
+    assert got["apply_steps"] == [0, 1]
+    for name in (*PARAMS, *OUTPUTS):
+        assert got["apply_closes"][name] == pytest.approx(got["reference"][name], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_three_backends_record_the_same_norms():
+    tf_run, torch_run, jax_run = (child(b)["fit"] for b in BACKENDS)
+    assert set(tf_run) == set(torch_run) == set(jax_run)
+    for name, value in tf_run.items():
+        assert torch_run[name] == pytest.approx(value, rel=1e-5), name
+        assert jax_run[name] == pytest.approx(value, rel=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ("torch", "jax"))
+def test_a_deep_sigmoid_stack_vanishes_and_a_healthy_relu_net_has_no_finding(backend):
+    got = child(backend)
+    assert "vanishing" in got["sigmoid_issues"]
+    assert got["sigmoid_kinds"] == ["activation", "parameter"]
+    assert got["healthy_steps"] == 5
+    assert got["healthy_findings"] == []
+    assert got["fit_findings"] == []
+
+
+@pytest.mark.slow
+def test_on_jax_keep_warns_once_and_the_rows_are_still_recorded():
+    got = child("jax")
+    assert len(got["keep_warnings"]) == 1
+    assert "keep=" in got["keep_warnings"][0]
+    assert "JAX backend" in got["keep_warnings"][0]
+    assert got["keep"]["d1.activation"] == pytest.approx(got["reference"]["d1.activation"],
+                                                         rel=1e-5)
