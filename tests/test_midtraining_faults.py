@@ -82,7 +82,7 @@ def test_a_fully_masked_attention_row_names_the_attention_block_whose_code_made_
     # input of its attn_drop child held NaN although no recorded output before it did, so the
     # finding names the parent, not the child that first showed it.
     fault = m.masked_attention_row(AT)
-    near = check(m.run_torch("gpt", AT + AFTER, fault=fault))
+    near = check(m.run_torch("gpt", AT + AFTER, fault=fault), fault)
     assert set(near["issue"]) == {"nonfinite"}
     assert set(near["layer"]) == {"blocks.1.attn"}, _describe(near)
 

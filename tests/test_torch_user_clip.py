@@ -85,3 +85,25 @@ def test_an_explosion_clipped_by_the_user_is_still_found() -> None:
     rows = dbg.frame().query("kind == 'parameter' and layer == '0' and tensor == 'weight'")
     by_step = dict(zip(rows["step"], rows["norm"], strict=True))
     assert by_step[30] / by_step[29] > 100
+
+
+def test_a_clip_after_the_step_closed_leaves_the_next_step_as_backward_made_it() -> None:
+    # A host that closes its step and then clips (the Trainer under attach(), Lightning): that
+    # clip acts on a closed step's gradients, and the next step's rows are not scaled by it.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 8), torch.randn(32, 2)
+    with graddebug.watch(model) as dbg:
+        for _ in range(2):
+            opt.zero_grad()
+            (100 * nn.functional.mse_loss(model(x), y)).backward()
+            before = {(n.rsplit(".", 1)[0], n.rsplit(".", 1)[1]): p.grad.norm().item()
+                      for n, p in model.named_parameters()}
+            dbg.step()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            opt.step()
+    rows = _params(dbg, 1)
+    assert set(rows) == set(before)
+    for key, row in rows.items():
+        assert row.norm == pytest.approx(before[key], rel=1e-4), key
+        assert math.isnan(row.clipped_norm), key

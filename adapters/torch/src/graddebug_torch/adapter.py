@@ -93,7 +93,7 @@ class TorchAdapter(BaseAdapter):
         self._sharded = ShardedMarks([p.param for p in self._params if p.sharded])
         self._updates = UpdateWatch(context, self._params, options.every,
                                     self._fail_open("optimizer step"))
-        self._clips = UserClips(context, self._params)
+        self._clips = UserClips(context, self._params, lambda: self._watch.state.received)
 
     # -- set-up ----------------------------------------------------------------------------
 

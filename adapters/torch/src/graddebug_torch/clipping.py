@@ -18,7 +18,7 @@ Lightning and Trainer callbacks close their step before their host clips and say
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,11 +44,14 @@ class UserClips:
     Args:
         context: The Watcher's side for hooks (is the step recorded).
         params: The watched parameters.
+        received: The gradients that arrived in the open step, by index in ``params``.
     """
 
-    def __init__(self, context: WatchContext, params: Sequence[TorchParam]) -> None:
+    def __init__(self, context: WatchContext, params: Sequence[TorchParam],
+                 received: Callable[[], Mapping[int, Tensor]]) -> None:
         self._ctx = context
-        self._keys = {id(p.param): (p.layer, p.tensor) for p in params}
+        self._keys = {id(p.param): (i, (p.layer, p.tensor)) for i, p in enumerate(params)}
+        self._received = received
         self._pending: list[tuple[list[Key], Tensor]] = []
         self._wrapped: list[tuple[Any, Callable[..., Any], Callable[..., Any]]] = []
         self._attached = False
@@ -81,8 +84,9 @@ class UserClips:
         ctx = self._ctx
         if not (self._attached and ctx.active and ctx.recording) or torch.compiler.is_compiling():
             return total
-        keys = [key for p in params if p.grad is not None
-                and (key := self._keys.get(id(p))) is not None]
+        received = self._received()
+        keys = [entry[1] for p in params if p.grad is not None
+                and (entry := self._keys.get(id(p))) is not None and entry[0] in received]
         if keys:
             factor = torch.clamp(float(max_norm) / (total.detach() + _EPS), max=1.0)
             self._pending.append((keys, factor))
