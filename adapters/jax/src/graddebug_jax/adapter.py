@@ -34,7 +34,7 @@ from graddebug_jax.modules import ModelIndex, floating_leaves, patch_calls, path
 from graddebug_jax.optax_monitor import monitor_of
 from graddebug_jax.sites import Chains, probe
 
-__all__ = ["JaxAdapter"]
+__all__ = ["JaxAdapter", "JaxTaps"]
 
 _IDS = itertools.count(1)
 
@@ -43,7 +43,33 @@ _IDS = itertools.count(1)
 _KEEPS_FINITE: tuple[type, ...] = (nnx.Dropout,)
 
 
-class JaxAdapter(BaseAdapter):
+class JaxTaps(BaseAdapter):
+    """What every adapter that records through JAX's identities shares (this one, and Keras
+    on the JAX backend): ``dbg.tap`` and the pending check. Subclasses set ``_chains``,
+    ``_rows`` and ``_tapper`` (who taps, for the error of a wrong tensor)."""
+
+    _chains: Chains
+    _rows: StepRows
+    _tapper = "the JAX adapter"
+
+    def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
+        """Pass ``tensor`` through the identity that records (and alters) its cotangent."""
+        if not isinstance(tensor, jax.Array) or not jnp.issubdtype(tensor.dtype, jnp.floating):
+            raise ConfigError(
+                f"tap({type(tensor).__name__}, {name!r}): {self._tapper} taps floating-point "
+                "jax arrays (and tracers inside jit/grad) only.")
+        layer = self._tap_layer(name, intervention)
+        if layer.depth < 0:
+            layer.depth = self._take_depth()
+        return self._chains.watch(tensor, layer, "output")
+
+    def has_pending(self) -> bool:
+        """Whether a backward pass or an update delivered rows since the last close (waits
+        for the callbacks in flight)."""
+        return self._rows.pending()
+
+
+class JaxAdapter(JaxTaps):
     """Watches a Flax NNX model, named JAX arrays (``params=``), and taps."""
 
     name = "jax"
@@ -97,22 +123,6 @@ class JaxAdapter(BaseAdapter):
         self._monitors.clear()
         self._chains.reset()
         self._rows.clear()
-
-    def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
-        """Pass ``tensor`` through the identity that records (and alters) its cotangent."""
-        if not isinstance(tensor, jax.Array) or not jnp.issubdtype(tensor.dtype, jnp.floating):
-            raise ConfigError(
-                f"tap({type(tensor).__name__}, {name!r}): the JAX adapter taps floating-point "
-                "jax arrays (and tracers inside jit/grad) only.")
-        layer = self._tap_layer(name, intervention)
-        if layer.depth < 0:
-            layer.depth = self._take_depth()
-        return self._chains.watch(tensor, layer, "output")
-
-    def has_pending(self) -> bool:
-        """Whether a backward pass or an update delivered rows since the last close (waits
-        for the callbacks in flight)."""
-        return self._rows.pending()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Wait for the callbacks, turn what arrived into records, add the rows of ``grads``

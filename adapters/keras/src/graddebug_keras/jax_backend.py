@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
-from graddebug.capture.layers import Intervention, LayerSpec
+from graddebug.adapter import StepResult, WatchContext, WatchOptions
+from graddebug.capture.layers import LayerSpec
 from graddebug.errors import ConfigError, GradDebugError, GradientCountError
+from graddebug_jax.adapter import JaxTaps
 from graddebug_jax.closing import StepRows, given_rows
 from graddebug_jax.modules import floating_leaves
 from graddebug_jax.sites import Chains, probe
@@ -48,10 +49,11 @@ __all__ = ["KerasJaxAdapter"]
 _COMPILED = ("train_function", "test_function", "predict_function")
 
 
-class KerasJaxAdapter(BaseAdapter):
+class KerasJaxAdapter(JaxTaps):
     """Watches a Keras model or layer on the JAX backend, and taps."""
 
     name = "keras-jax"
+    _tapper = "Keras on the JAX backend"
 
     def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
                  options: WatchOptions) -> None:
@@ -106,22 +108,6 @@ class KerasJaxAdapter(BaseAdapter):
         self._reset_compiled()
         self._chains.reset()
         self._rows.clear()
-
-    def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
-        """Pass ``tensor`` through the identity that records (and alters) its gradient."""
-        if not isinstance(tensor, jax.Array) or not jnp.issubdtype(tensor.dtype, jnp.floating):
-            raise ConfigError(
-                f"tap({type(tensor).__name__}, {name!r}): Keras on the JAX backend taps "
-                "floating-point jax arrays (and tracers inside jit/grad) only.")
-        layer = self._tap_layer(name, intervention)
-        if layer.depth < 0:
-            layer.depth = self._take_depth()
-        return self._chains.watch(tensor, layer, "output")
-
-    def has_pending(self) -> bool:
-        """Whether a backward pass or an update delivered rows since the last close (waits
-        for the callbacks in flight)."""
-        return self._rows.pending()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Wait for the callbacks, turn what arrived into records, add the rows of ``grads``
