@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs, so that the README cannot rot.
+"""Every ```python block of README.md and of the documentation pages (docs/**/*.md) runs, so that
+neither can rot. Each block is one test, named after its file and line (``docs/guides/jax.md:5``).
 
 An HTML comment on the line just above a block's fence says how to run it::
 
@@ -19,9 +20,7 @@ Every block runs in a temporary working directory. To run a new kind of block, a
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib
-import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -33,14 +32,26 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def documents() -> list[Path]:
+    """README.md and every Markdown page of the documentation, the build output excepted."""
+    pages = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.relative_to(DOCS).parts)
+    return [README, *pages]
+
+
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
 _MARKER = re.compile(r"<!--\s*readme-test:\s*(.*?)\s*-->")
 _HEAVY = {"tensorflow", "keras", "lightning", "pytorch_lightning"}
 
 
 @dataclass
 class Block:
-    """One ```python block of the README."""
+    """One ```python block of a Markdown file."""
 
     line: int  # of the first code line
     code: str
@@ -49,9 +60,10 @@ class Block:
     slow: bool = False
     skip: str | None = None
     imports: set[str] = field(default_factory=set)
+    path: str = "README.md"  # relative to the repository root
 
 
-def blocks(text: str) -> list[Block]:
+def blocks(text: str, path: str = "README.md") -> list[Block]:
     """Parse the ```python blocks of a Markdown text and their readme-test comments."""
     lines = text.splitlines()
     found = []
@@ -61,7 +73,7 @@ def blocks(text: str) -> list[Block]:
             i += 1
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-        block = Block(line=i + 2, code="\n".join(lines[i + 1:end]) + "\n")
+        block = Block(line=i + 2, code="\n".join(lines[i + 1:end]) + "\n", path=path)
         marker = _MARKER.fullmatch(lines[i - 1].strip()) if i > 0 else None
         if marker is not None:
             spec = marker.group(1)
@@ -74,7 +86,7 @@ def blocks(text: str) -> list[Block]:
                 elif key in ("pytest", "slow"):
                     setattr(block, key, True)
                 else:
-                    raise ValueError(f"README.md:{i}: unknown readme-test option {token!r}")
+                    raise ValueError(f"{path}:{i}: unknown readme-test option {token!r}")
         block.imports = _imports(block.code)
         block.slow = block.slow or bool(block.imports & _HEAVY)
         found.append(block)
@@ -219,18 +231,19 @@ PRELUDES: dict[str, Callable[[Context], tuple[dict[str, Any], Check]]] = {
 
 def _params() -> list[Any]:
     params = []
-    for block in blocks(README.read_text(encoding="utf-8")):
-        marks: list[Any] = [pytest.mark.slow] if block.slow else []
-        if block.skip is not None:
-            marks.append(pytest.mark.skip(reason=f"README.md:{block.line}: {block.skip}"))
-        params.append(pytest.param(block, id=f"line{block.line}", marks=marks))
+    for path in documents():
+        for block in blocks(path.read_text(encoding="utf-8"), _name(path)):
+            marks: list[Any] = [pytest.mark.slow] if block.slow else []
+            if block.skip is not None:
+                marks.append(pytest.mark.skip(reason=f"{block.path}:{block.line}: {block.skip}"))
+            params.append(pytest.param(block, id=f"{block.path}:{block.line}", marks=marks))
     return params
 
 
 @pytest.mark.parametrize("block", _params())
 def test_readme_block_runs(block: Block, request: pytest.FixtureRequest,
                            monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    source = "\n" * (block.line - 1) + block.code  # tracebacks point at README lines
+    source = "\n" * (block.line - 1) + block.code  # tracebacks point at the file's lines
     if block.pytest:
         _run_as_test_module(block, request.getfixturevalue("pytester"), monkeypatch)
         return
@@ -240,19 +253,19 @@ def test_readme_block_runs(block: Block, request: pytest.FixtureRequest,
     if block.setup is not None:
         prelude = PRELUDES.get(block.setup)
         assert prelude is not None, (
-            f"README.md:{block.line}: setup={block.setup!r} is not a prelude of "
+            f"{block.path}:{block.line}: setup={block.setup!r} is not a prelude of "
             f"tests/test_readme.py; known: {', '.join(PRELUDES)}."
         )
         names, check = prelude(Context(monkeypatch, tmp_path))
         namespace.update(names)
     try:
-        exec(compile(source, str(README), "exec"), namespace)
+        exec(compile(source, str(ROOT / block.path), "exec"), namespace)
     except Exception as exc:
         if block.setup is None:
             raise AssertionError(
-                f"README.md:{block.line}: the block failed ({type(exc).__name__}: {exc}). It has "
-                "no readme-test comment, so it ran alone: make it self-contained, or give it "
-                "a setup= prelude (see the docstring of tests/test_readme.py)."
+                f"{block.path}:{block.line}: the block failed ({type(exc).__name__}: {exc}). "
+                "It has no readme-test comment, so it ran alone: make it self-contained, or give "
+                "it a setup= prelude (see the docstring of tests/test_readme.py)."
             ) from exc
         raise
     if check is not None:
@@ -274,7 +287,7 @@ def _run_as_test_module(block: Block, pytester: pytest.Pytester,
     result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider")
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) >= 1 and set(outcomes) <= {"passed", "warnings"}, (
-        f"README.md:{block.line}: {outcomes}\n{result.stdout.str()}"
+        f"{block.path}:{block.line}: {outcomes}\n{result.stdout.str()}"
     )
 
 
@@ -297,74 +310,20 @@ def test_the_block_parser_reads_markers_and_imports() -> None:
         "<!-- readme-test: pytest -->", "```python", "from torch import nn", "```",
         "```bash", "pip install x", "```",
     ])
-    parsed = blocks(text)
+    parsed = blocks(text, "docs/page.md")
+    assert {b.path for b in parsed} == {"docs/page.md"}
     assert [b.line for b in parsed] == [3, 7, 11, 15]
     assert (parsed[0].setup, parsed[0].slow, parsed[0].code) == (None, False, "x = 1\n")
     assert (parsed[1].setup, parsed[1].slow, parsed[1].imports) == ("torch_mlp", True, {"keras"})
     assert parsed[2].skip == "needs a GPU"
     assert parsed[3].pytest and parsed[3].imports == {"torch"} and not parsed[3].slow
-    with pytest.raises(ValueError, match="unknown readme-test option 'sertup=x'"):
+    with pytest.raises(ValueError, match=r"README\.md:1: unknown readme-test option 'sertup=x'"):
         blocks("<!-- readme-test: sertup=x -->\n```python\npass\n```")
 
 
-def test_the_readme_has_the_blocks_this_module_is_written_for() -> None:
-    parsed = blocks(README.read_text(encoding="utf-8"))
+def test_the_documents_have_the_blocks_this_module_is_written_for() -> None:
+    parsed = [b for path in documents()
+              for b in blocks(path.read_text(encoding="utf-8"), _name(path))]
+    assert len(documents()) > 1, "no page under docs/"
     assert {b.setup for b in parsed} >= set(PRELUDES)
     assert sum(b.pytest for b in parsed) >= 1
-
-
-def options_table(text: str) -> list[str]:
-    """The option names of the table under the README's "Options of `watch`", in its order."""
-    lines = text.splitlines()
-    start = lines.index("## Options of `watch`")
-    names = []
-    for line in lines[start + 1:]:
-        if line.startswith("## "):
-            break
-        if (row := re.match(r"\| `(\w+)=` \|", line)) is not None:
-            names.append(row.group(1))
-    return names
-
-
-def attributes(doc: str) -> list[str]:
-    """The names an ``Attributes:`` section of a Google-style docstring documents."""
-    section = inspect.cleandoc(doc).split("\nAttributes:\n", 1)[1]
-    section = re.split(r"^\S", section, maxsplit=1, flags=re.MULTILINE)[0]  # up to the next one
-    return re.findall(r"^ {4}(\w+):", section, flags=re.MULTILINE)
-
-
-def test_the_options_table_the_watcher_and_watch_options_name_the_same_options() -> None:
-    from graddebug.adapter import WatchOptions
-    from graddebug.config import WATCH_OPTIONS
-
-    table = options_table(README.read_text(encoding="utf-8"))
-    assert len(table) == len(set(table)), table
-    assert sorted(table) == sorted(WATCH_OPTIONS), (
-        f"rows to add: {sorted(set(WATCH_OPTIONS) - set(table))}, "
-        f"rows to remove: {sorted(set(table) - set(WATCH_OPTIONS))}")
-    fields = {f.name for f in dataclasses.fields(WatchOptions)}
-    assert set(WATCH_OPTIONS) <= fields, sorted(set(WATCH_OPTIONS) - fields)
-    documented = attributes(WatchOptions.__doc__ or "")
-    assert set(WATCH_OPTIONS) <= set(documented), sorted(set(WATCH_OPTIONS) - set(documented))
-    assert set(documented) <= fields, sorted(set(documented) - fields)
-
-
-def test_the_attributes_parser_reads_one_section() -> None:
-    doc = """Options.
-
-    Attributes:
-        every: Record one step in N;
-            continued: not a name.
-        ops: Op-level capture.
-
-    Note:
-        later: not an attribute.
-    """
-    assert attributes(doc) == ["every", "ops"]
-
-
-def test_the_options_table_parser_reads_rows_up_to_the_next_section() -> None:
-    text = ("## Options of `watch`\n\n| option | default | meaning |\n|---|---|---|\n"
-            "| `layers=` | all | which |\n| `keep=` | none | kept |\n\n## Next\n"
-            "| `every=` | 1 | not an option of this table |\n")
-    assert options_table(text) == ["layers", "keep"]
