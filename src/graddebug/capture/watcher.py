@@ -48,10 +48,9 @@ class Watcher(RunResults):
 
     Args:
         model: A ``torch.nn.Module`` or a Keras model; None with ``params=`` or for taps only.
-        params, layers, keep, keep_steps, intervene, every, outputs, param_stats, optimizer,
-            scaler, thresholds, strict, log_dir, flush_every, plugin_manager, tensorboard,
-            ops, escalate, full_stats_every: The options, documented on
-            :class:`graddebug.adapter.WatchOptions`.
+
+    Every other argument is an option of :func:`watch`; each is documented on
+    :class:`graddebug.adapter.WatchOptions`.
     """
 
     def __init__(

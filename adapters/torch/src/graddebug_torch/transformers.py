@@ -107,7 +107,10 @@ class GradDebugCallback(SessionResults, TrainerCallback):
 
         Args:
             trainer: The Trainer.
-            stop_on, log, every_tensor, **watch_options: As for the constructor.
+            stop_on: As for the constructor.
+            log: As for the constructor.
+            every_tensor: As for the constructor.
+            **watch_options: As for the constructor.
 
         Returns:
             The callback, to read its findings after ``trainer.train()``.

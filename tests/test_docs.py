@@ -1,0 +1,140 @@
+"""The documentation holds together: the options of ``watch`` are one set wherever they are
+named, and every relative link of README.md leads to a file (and heading) that exists.
+
+The ```python blocks of README.md and of the pages under docs/ run in tests/test_readme.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+
+# -- the options of watch: signature, WatchOptions' fields, its docstring --------------------
+
+
+def documented(doc: str, section: str = "Attributes") -> dict[str, str]:
+    """The names a section (``Attributes:``, ``Args:``) of a Google-style docstring documents,
+    each with its description (continuation lines joined)."""
+    text = inspect.cleandoc(doc)
+    head = f"\n{section}:\n"
+    if head not in text:
+        return {}
+    body = text.split(head, 1)[1]
+    body = re.split(r"^\S", body, maxsplit=1, flags=re.MULTILINE)[0]  # up to the next section
+    entries: dict[str, str] = {}
+    name = None
+    for line in body.splitlines():
+        if (entry := re.match(r"^ {4}(\*{0,2}\w+)(?: \([^)]*\))?: ?(.*)", line)) is not None:
+            name = entry.group(1)
+            entries[name] = entry.group(2)
+        elif name is not None and line.strip():
+            entries[name] += " " + line.strip()
+    return entries
+
+
+def test_the_docstring_parser_reads_one_section() -> None:
+    doc = """Options.
+
+    Attributes:
+        every: Record one step in N;
+            continued: not a name.
+        ops (bool): Op-level capture.
+
+    Note:
+        later: not an attribute.
+    """
+    assert documented(doc) == {"every": "Record one step in N; continued: not a name.",
+                               "ops": "Op-level capture."}
+    assert documented(doc, "Args") == {}
+
+
+def test_watch_its_options_object_and_its_docstring_name_the_same_options() -> None:
+    import graddebug
+    from graddebug.adapter import WatchOptions
+    from graddebug.config import WATCH_OPTIONS
+
+    signature = [name for name in inspect.signature(graddebug.watch).parameters
+                 if name != "model"]
+    fields = {f.name for f in dataclasses.fields(WatchOptions)}
+    docs = documented(WatchOptions.__doc__ or "")
+    # A field the Watcher derives from another option says so in its entry, and is no option.
+    derived = {name for name, text in docs.items() if "not an option of its own" in text}
+    assert derived <= fields, sorted(derived - fields)
+    options = fields - derived
+    assert set(signature) == options, (
+        f"in watch() only: {sorted(set(signature) - options)}, "
+        f"in WatchOptions only: {sorted(options - set(signature))}")
+    assert set(docs) == fields, (
+        f"fields not documented: {sorted(fields - set(docs))}, "
+        f"documented but no field: {sorted(set(docs) - fields)}")
+    assert list(WATCH_OPTIONS) == signature
+
+
+def test_the_options_page_is_generated_from_watch_options() -> None:
+    page = (ROOT / "docs" / "options.md").read_text(encoding="utf-8")
+    assert ".. autoclass:: graddebug.adapter.WatchOptions" in page
+    # no list of its own, in the page or in the README
+    for text in (page, README.read_text(encoding="utf-8")):
+        assert not re.search(r"^\| `\w+=` \|", text, flags=re.MULTILINE)
+
+
+# -- links of the README ---------------------------------------------------------------------
+
+
+def slugs(markdown: str) -> set[str]:
+    """The anchors GitHub (and MyST, with ``myst_heading_anchors``) gives a file's headings."""
+    found, fence = set(), False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and (heading := re.match(r"#{1,6} (.*)", line)) is not None:
+            text = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower())
+            found.add(text.replace(" ", "-"))
+    return found
+
+
+def links(markdown: str) -> list[str]:
+    """The targets of the Markdown links outside code blocks and code spans."""
+    targets, fence = [], False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+            continue
+        if not fence:
+            line = re.sub(r"`[^`]*`", "", line)
+            targets += re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", line)
+    return targets
+
+
+def test_the_link_parsers() -> None:
+    text = ("# A `watch` title\n[a](docs/x.md#b) `[c](not/a/link)`\n```\n[d](e)\n```\n"
+            "## DDP and FSDP\n")
+    assert links(text) == ["docs/x.md#b"]
+    assert slugs(text) == {"a-watch-title", "ddp-and-fsdp"}
+
+
+def _relative_links() -> list[str]:
+    return sorted({t for t in links(README.read_text(encoding="utf-8"))
+                   if not re.match(r"[a-z]+:", t)})
+
+
+def test_the_readme_links_to_the_docs() -> None:
+    assert any(t.startswith("docs/") for t in _relative_links())
+
+
+@pytest.mark.parametrize("target", _relative_links())
+def test_every_relative_link_of_the_readme_resolves(target: str) -> None:
+    path, _, anchor = target.partition("#")
+    file = (README.parent / path).resolve() if path else README
+    assert file.is_file(), f"README.md links to {target}, and {path} is no file"
+    if anchor:
+        assert anchor in slugs(file.read_text(encoding="utf-8")), (
+            f"README.md links to {target}, and {path or 'README.md'} has no such heading")
