@@ -65,6 +65,17 @@ def test_nonfinite_is_born_at_the_layer_whose_forward_made_it():
     assert found.iloc[0]["layer"] == "layers.1"
 
 
+@pytest.mark.parametrize(("value", "word"), [(jnp.nan, "NaN"), (jnp.inf, "Inf")])
+def test_nonfinite_says_whether_the_output_held_nan_or_inf(value, word):
+    model = MLP([4, 8, 8, 1])
+    # a bias of +inf makes every entry of the layer's output +inf, and none NaN
+    model.layers[1].bias.set_value(jnp.full((8,), value))
+    dbg = run(model, batch(), steps=1, loss=lambda m, x: jnp.mean(m(x) ** 2))
+    found = dbg.findings().query("issue == 'nonfinite'")
+    assert found.iloc[0]["layer"] == "layers.1"
+    assert f"output held {word} in the forward pass" in found.iloc[0]["message"]
+
+
 def test_a_healthy_relu_net_has_no_finding():
     model = MLP([4, 64, 64, 64, 3], seed=2)
     x = jax.random.normal(jax.random.PRNGKey(0), (64, 4))

@@ -20,7 +20,7 @@ import numpy as np
 from graddebug.adapter import StepResult
 from graddebug.records import Event, EventKind, Kind, Record, sums_record
 from graddebug_jax.sites import Site
-from graddebug_jax.stats import ACT_COLUMNS, PARAM_COLUMNS, param_rows
+from graddebug_jax.stats import ACT_COLUMNS, FORWARD_NAN, PARAM_COLUMNS, param_rows
 
 __all__ = ["ParamNamer", "StepRows", "given_rows"]
 
@@ -113,8 +113,9 @@ class StepRows:
         layer, tensor = site.layer, site.tensor
         depth = layer.depth
         if row[_A["forward_bad"]] > 0:
+            what = "NaN" if row[_A["forward_bad"]] == FORWARD_NAN else "Inf"
             result.events.append(Event(step, layer.name, tensor, depth,
-                                       EventKind.FORWARD_NONFINITE.value))
+                                       EventKind.FORWARD_NONFINITE.value, what))
         if not site.needs_grad and site.inputs_need_grad:
             result.events.append(Event(step, layer.name, tensor, depth,
                                        EventKind.DETACHED_OUTPUT.value,

@@ -38,7 +38,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from graddebug.capture.layers import Intervention, LayerSpec, intervene_fail_open
-from graddebug_jax.stats import ACT_COLUMNS, activation_row
+from graddebug_jax.stats import ACT_COLUMNS, activation_row, forward_code
 
 __all__ = ["CAPACITY", "Chains", "Site", "apply_intervention", "probe"]
 
@@ -164,8 +164,7 @@ class Chains:
 
         def fwd(x: Any, token: Any) -> tuple[tuple[Any, Any], Any]:
             site.needs_grad, site.upstream_grad = bool(x.perturbed), bool(token.perturbed)
-            bad = (~jnp.all(jnp.isfinite(x.value)) if check_forward
-                   else jnp.zeros((), bool))
+            bad = forward_code(x.value) if check_forward else jnp.zeros((), jnp.float32)
             return (x.value, token.value), (bad, bool(token.perturbed))
 
         def bwd(res: Any, cts: tuple[Any, Any]) -> tuple[Any, Any]:

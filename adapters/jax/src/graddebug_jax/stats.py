@@ -24,15 +24,18 @@ import jax.numpy as jnp
 
 __all__ = [
     "ACT_COLUMNS",
+    "FORWARD_INF",
+    "FORWARD_NAN",
     "PARAM_COLUMNS",
     "activation_row",
+    "forward_code",
     "param_rows",
     "units_of",
 ]
 
 ACT_COLUMNS = ("sumsq", "total", "absmax", "zero_frac", "pre_sumsq", "present", "forward_bad")
 """The columns of a layer-output row: ``present`` is 0 where no cotangent reached the output
-(a symbolic zero: the graph is cut above it), ``forward_bad`` 1 where the output held NaN or Inf
+(a symbolic zero: the graph is cut above it), ``forward_bad`` the output's :func:`forward_code`
 in the forward pass."""
 
 PARAM_COLUMNS = ("sumsq", "total", "absmax", "weight_sumsq", "update_sumsq")
@@ -49,6 +52,17 @@ def units_of(shape: Sequence[int]) -> int:
     return int(shape[-1]) if len(shape) >= 2 else 0
 
 
+FORWARD_NAN, FORWARD_INF = 1.0, 2.0
+"""The codes of :func:`forward_code` for an output that held NaN, or Inf and no NaN."""
+
+
+def forward_code(x: Any) -> jax.Array:
+    """0.0 where every entry of ``x`` is finite, ``FORWARD_NAN`` where one is NaN, else
+    ``FORWARD_INF`` where one is infinite (a float32 scalar, computed on the device)."""
+    return jnp.where(jnp.any(jnp.isnan(x)), FORWARD_NAN,
+                     jnp.where(jnp.any(jnp.isinf(x)), FORWARD_INF, 0.0)).astype(jnp.float32)
+
+
 def activation_row(grad: Any, pre: Any, forward_bad: Any) -> jax.Array:
     """The row of one layer-output cotangent.
 
@@ -56,7 +70,7 @@ def activation_row(grad: Any, pre: Any, forward_bad: Any) -> jax.Array:
         grad: The cotangent that flows on (after any intervention), or None where no
             cotangent reached the output.
         pre: The cotangent before an intervention, or None where none acted.
-        forward_bad: A boolean scalar: the output held NaN or Inf in the forward pass.
+        forward_bad: The output's :func:`forward_code` in the forward pass.
     """
     bad = jnp.asarray(forward_bad, jnp.float32)
     if grad is None:
