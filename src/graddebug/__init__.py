@@ -1,4 +1,4 @@
-"""graddebug: capture, alter and diagnose gradients in PyTorch and TensorFlow/Keras.
+"""graddebug: capture, alter and diagnose gradients in PyTorch, TensorFlow/Keras and JAX.
 
 The public API is what this module exports; everything else is internal. The subpackages are
 the pipeline: ``capture`` (the Watcher) -> ``detectors`` (diagnoses) -> ``runs`` (the files on
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from graddebug._version import __version__
 from graddebug.capture.layers import Intervention
 from graddebug.config import Thresholds
 from graddebug.errors import (
@@ -73,8 +74,6 @@ def __getattr__(name: str) -> object:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",

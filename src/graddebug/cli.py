@@ -39,7 +39,7 @@ from graddebug.report.console import (
 if TYPE_CHECKING:
     from graddebug.report.report import Report
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "version_text"]
 
 FINDING_COLUMNS = ("step", "layer", "tensor", "issue", "cause", "severity", "value",
                    "message")
@@ -284,10 +284,28 @@ def _output_options(parser: argparse.ArgumentParser) -> None:
                             "is large)")
 
 
+def version_text() -> str:
+    """``graddebug X.Y.Z``, then each installed adapter's distribution and version, one a line.
+
+    The adapters are read from the ``graddebug`` entry-point group's metadata; none is imported.
+    """
+    from importlib.metadata import entry_points
+
+    from graddebug._version import __version__
+
+    adapters = sorted({(ep.dist.name, ep.dist.version) for ep in entry_points(group="graddebug")
+                       if ep.dist is not None})
+    lines = [f"graddebug {__version__}"]
+    lines += [f"  {name} {version}" for name, version in adapters]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``graddebug`` command."""
     parser = argparse.ArgumentParser(prog="graddebug", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the versions of graddebug and its installed adapters")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a built-in sigmoid MLP and show its findings")
     demo.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from graddebug_jax._version import __version__
+
 if TYPE_CHECKING:
     from graddebug_jax.optax_monitor import monitor
 
-__all__ = ["monitor"]
+__all__ = ["__version__", "monitor"]
 
 
 def __getattr__(name: str) -> Any:

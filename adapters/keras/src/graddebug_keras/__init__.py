@@ -17,4 +17,6 @@ Where things are:
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from graddebug_keras._version import __version__
+
+__all__ = ["__version__"]

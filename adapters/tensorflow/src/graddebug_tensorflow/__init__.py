@@ -20,4 +20,6 @@ Where things are (the same names as in ``graddebug_torch``):
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from graddebug_tensorflow._version import __version__
+
+__all__ = ["__version__"]

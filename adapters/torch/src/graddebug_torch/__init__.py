@@ -6,4 +6,6 @@ Users do not import this package: ``graddebug.watch(model)`` finds it through th
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from graddebug_torch._version import __version__
+
+__all__ = ["__version__"]

@@ -1,0 +1,3 @@
+"""The version of the graddebug-keras distribution: its one source, read by pyproject.toml."""
+
+__version__ = "0.2.0"
