@@ -138,3 +138,68 @@ def test_every_relative_link_of_the_readme_resolves(target: str) -> None:
     if anchor:
         assert anchor in slugs(file.read_text(encoding="utf-8")), (
             f"README.md links to {target}, and {path or 'README.md'} has no such heading")
+
+
+# -- the HTML report's screenshot, made by the docs build -----------------------------------
+
+
+def _reportshot():
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        return importlib.import_module("reportshot")
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+
+
+class _App:
+    def __init__(self, srcdir: Path, enabled: bool = True) -> None:
+        self.srcdir = srcdir
+        self.config = type("Config", (), {"graddebug_report_screenshot": enabled})()
+
+
+def test_the_screenshot_step_warns_where_no_browser_is_installed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shot = _reportshot()
+    warned: list[str] = []
+    monkeypatch.setattr(shot, "browser", lambda: None)
+    monkeypatch.setattr(shot.logger, "warning", lambda msg, *args: warned.append(msg % args))
+    shot.make_screenshot(_App(tmp_path))
+    assert len(warned) == 1 and "no Chromium" in warned[0]
+    shot.make_screenshot(_App(tmp_path, enabled=False))  # switched off: nothing to say
+    assert len(warned) == 1
+    assert not (tmp_path / shot.TARGET).exists()
+
+
+def test_a_failing_browser_is_a_warning_not_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shot = _reportshot()
+    warned: list[str] = []
+    monkeypatch.setattr(shot, "browser", lambda: "/bin/false")
+    monkeypatch.setattr(shot, "demo_page", lambda: "<html><body>a page</body></html>")
+    monkeypatch.setattr(shot.logger, "warning", lambda msg, *args: warned.append(msg % args))
+    shot.make_screenshot(_App(tmp_path))
+    assert len(warned) == 1 and "chromium exited with 1" in warned[0]
+
+
+@pytest.mark.slow
+def test_the_screenshot_shows_the_demo_runs_report(tmp_path: Path) -> None:
+    import os
+
+    shot = _reportshot()
+    chromium = shot.browser()
+    if chromium is None:
+        if os.environ.get("GRADDEBUG_REQUIRE_BROWSER") or os.environ.get("CI"):
+            pytest.fail("no Chromium on PATH, and this environment requires the browser")
+        pytest.skip("no Chromium on PATH (apt-get install chromium)")
+    page = shot.demo_page(steps=5)
+    assert "vanishing" in page  # the demo's finding is on the page that is shot
+    target = tmp_path / "report.png"
+    shot.screenshot(page, target, chromium)
+    from matplotlib.image import imread
+
+    pixels = imread(target)[..., :3]
+    assert pixels.shape[:2] == (shot.HEIGHT, shot.WIDTH)
+    assert (pixels < 0.95).any(axis=-1).mean() > 0.10, "the screenshot is mostly blank"
