@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import unicodedata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ import pandas as pd
 
 from graddebug.errors import MissingFrameworkError
 from graddebug.records import Kind, Severity
+from graddebug.report.fonts import fallback_families, quiet_render
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -25,10 +27,16 @@ __all__ = ["MAX_HEATMAP_STEPS", "USER_TEXT", "figure_png", "flow_figure", "heatm
 USER_TEXT: dict[str, Any] = {"parse_math": False, "usetex": False}
 """Text properties of every label drawn from a user string (layer, tensor and tap names):
 ``$`` would start mathtext (``"cost$x"`` raises ``ValueError`` when drawn), and under
-``rcParams["text.usetex"]`` the name would be fed to LaTeX. Names are drawn as they are."""
+``rcParams["text.usetex"]`` the name would be fed to LaTeX. Names are drawn as they are, in a
+font that has their glyphs where one is installed (:mod:`graddebug.report.fonts`)."""
 
 MAX_HEATMAP_STEPS = 800
 """Above this many recorded steps, the heatmap averages log10 norms over bins of steps."""
+
+MAX_LABEL_CHARS = 60
+"""Tick labels longer than this are shortened in the middle (``"encoder.lay…attn.proj"``): a
+300-character name left no room for the axes, and constrained layout gave up on the figure.
+The tables of the report keep every name whole."""
 
 _SEVERITY_STYLE: dict[str, tuple[str, str]] = {
     Severity.ERROR.value: ("X", "#d62728"),
@@ -71,7 +79,28 @@ def _rows(records: pd.DataFrame) -> pd.DataFrame:
 
 
 def _label(layer: str, tensor: str, kind: str) -> str:
-    return layer if kind == Kind.ACTIVATION.value and tensor == "output" else f"{layer}.{tensor}"
+    """A tensor's tick label: its layer (and tensor), shortened past :data:`MAX_LABEL_CHARS`."""
+    label = layer if kind == Kind.ACTIVATION.value and tensor == "output" else f"{layer}.{tensor}"
+    if len(label) <= MAX_LABEL_CHARS:
+        return label
+    head = (MAX_LABEL_CHARS - 1) // 2
+    return f"{label[:head]}\u2026{label[len(label) - (MAX_LABEL_CHARS - 1 - head):]}"
+
+
+def _label_inches(labels: list[str], fontsize: float) -> float:
+    """About how long the longest of ``labels`` is when drawn, in inches: a wide East Asian
+    character takes 1 em, any other about 0.62 em (DejaVu Sans averages 0.55 over ASCII names)."""
+    ems = max((sum(1.0 if unicodedata.east_asian_width(c) in "WF" else 0.62 for c in label)
+               for label in labels), default=0.0)
+    return ems * fontsize / 72.0
+
+
+def _user_text(labels: list[str]) -> dict[str, Any]:
+    """The text properties of tick labels drawn from ``labels``: :data:`USER_TEXT`, and a font
+    list that has their glyphs where the user's font lacks some (see
+    :mod:`graddebug.report.fonts`; set on the labels, not in ``rcParams``)."""
+    family = fallback_families(labels)
+    return USER_TEXT if family is None else {**USER_TEXT, "fontfamily": family}
 
 
 def flow_figure(records: pd.DataFrame, findings: pd.DataFrame) -> Figure:
@@ -93,8 +122,12 @@ def flow_figure(records: pd.DataFrame, findings: pd.DataFrame) -> Figure:
     finite = records[np.isfinite(records["norm"]) & (records["norm"] > 0)]
     stats = finite.groupby(["layer", "tensor", "kind"], sort=False)["norm"].agg(
         ["median", "min", "max"])
+    labels = [_label(*k) for k in zip(rows["layer"], rows["tensor"], rows["kind"], strict=True)]
+    fontsize = 7 if len(rows) > 30 else 8
     width = min(max(6.0, 0.28 * len(rows) + 2.0), 24.0)
-    fig = Figure(figsize=(width, 4.8), layout="constrained")
+    # The labels stand upright under the axes: the figure grows with the longest one.
+    height = min(max(4.8, 2.4 + _label_inches(labels, fontsize)), 12.0)
+    fig = Figure(figsize=(width, height), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(len(rows))
     for kind, color in ((Kind.ACTIVATION.value, "#1f77b4"), (Kind.PARAMETER.value, "#2ca02c")):
@@ -108,19 +141,16 @@ def flow_figure(records: pd.DataFrame, findings: pd.DataFrame) -> Figure:
                         linewidth=0)
         ax.plot(x[sel], got["median"], "o-", color=color, markersize=3, linewidth=1.2,
                 label=f"{kind} gradients (median, min-max over steps)")
-    bad = records.loc[~np.isfinite(records["norm"]), ["layer", "tensor", "kind"]]
-    if not bad.empty:
-        index = {key: i for i, key in enumerate(zip(rows["layer"], rows["tensor"], rows["kind"],
-                                                    strict=True))}
-        hits = sorted({index[k] for k in bad.itertuples(index=False, name=None) if k in index})
-        ax.plot(hits, [1.0] * len(hits), "X", color="#d62728", markersize=8,
-                transform=ax.get_xaxis_transform(), clip_on=False, label="NaN/Inf at some step")
-    ax.set_yscale("log")
+    _mark_nonfinite(ax, records, rows)
+    if finite.empty:  # a log axis has no room for norms that are all 0 (or NaN)
+        ax.text(0.5, 0.5, "no gradient norm above 0 was recorded", transform=ax.transAxes,
+                ha="center", va="center")
+        ax.set_yticks([])
+    else:
+        ax.set_yscale("log")
     ax.set_xlim(-0.5, max(len(rows) - 0.5, 0.5))
     ax.set_xticks(x)
-    ax.set_xticklabels([_label(*k) for k in zip(rows["layer"], rows["tensor"], rows["kind"],
-                                                strict=True)],
-                       rotation=90, fontsize=7 if len(rows) > 30 else 8, **USER_TEXT)
+    ax.set_xticklabels(labels, rotation=90, fontsize=fontsize, **_user_text(labels))
     flagged = set(findings["layer"])
     for tick, layer in zip(ax.get_xticklabels(), rows["layer"], strict=True):
         if layer in flagged:
@@ -132,6 +162,18 @@ def flow_figure(records: pd.DataFrame, findings: pd.DataFrame) -> Figure:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=8)
     return fig
+
+
+def _mark_nonfinite(ax: Any, records: pd.DataFrame, rows: pd.DataFrame) -> None:
+    """A red cross above each tensor of the flow plot whose gradient was NaN/Inf at some step."""
+    bad = records.loc[~np.isfinite(records["norm"]), ["layer", "tensor", "kind"]]
+    if bad.empty:
+        return
+    index = {key: i for i, key in enumerate(zip(rows["layer"], rows["tensor"], rows["kind"],
+                                                strict=True))}
+    hits = sorted({index[k] for k in bad.itertuples(index=False, name=None) if k in index})
+    ax.plot(hits, [1.0] * len(hits), "X", color="#d62728", markersize=8,
+            transform=ax.get_xaxis_transform(), clip_on=False, label="NaN/Inf at some step")
 
 
 def _heat_matrix(records: pd.DataFrame, rows: pd.DataFrame, max_steps: int
@@ -200,7 +242,8 @@ def heatmap_figure(records: pd.DataFrame, findings: pd.DataFrame,
     labels = [_label(*k) for k in zip(rows["layer"], rows["tensor"], rows["kind"], strict=True)]
     every = max(1, len(labels) // 60)
     ax.set_yticks(np.arange(0, len(labels), every))
-    ax.set_yticklabels(labels[::every], fontsize=7 if len(labels) > 30 else 8, **USER_TEXT)
+    ax.set_yticklabels(labels[::every], fontsize=7 if len(labels) > 30 else 8,
+                       **_user_text(labels[::every]))
     ticks = np.arange(0, n_cols, max(1, int(np.ceil(n_cols / 10))))
     ax.set_xticks(ticks)
     ax.set_xticklabels([str(int(edges[t])) for t in ticks])
@@ -245,10 +288,16 @@ def _mark_findings(ax: Any, findings: pd.DataFrame, rows: pd.DataFrame, edges: n
 
 
 def figure_png(fig: Figure, dpi: int = 100) -> str:
-    """Render a figure to PNG with Agg and return it base64-encoded, for a data: URI."""
+    """Render a figure to PNG with Agg and return it base64-encoded, for a data: URI.
+
+    matplotlib's warnings about glyphs that no installed font has (drawn as boxes) and about a
+    layout with no room for the axes are kept quiet here (see
+    :data:`graddebug.report.fonts.QUIET_WARNINGS`); any other warning goes through.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi)
+    with quiet_render():  # a glyph no installed font has, a layout with no room: not errors
+        fig.savefig(buffer, format="png", dpi=dpi)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
