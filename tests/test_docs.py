@@ -203,3 +203,21 @@ def test_the_screenshot_shows_the_demo_runs_report(tmp_path: Path) -> None:
     pixels = imread(target)[..., :3]
     assert pixels.shape[:2] == (shot.HEIGHT, shot.WIDTH)
     assert (pixels < 0.95).any(axis=-1).mean() > 0.10, "the screenshot is mostly blank"
+
+
+@pytest.mark.slow
+def test_the_reference_documents_every_public_name(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import graddebug
+
+    out = tmp_path / "html"
+    done = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-q", "-b", "html", "-D",
+         "graddebug_report_screenshot=0", str(ROOT / "docs"), str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = (out / "reference" / "graddebug.html").read_text(encoding="utf-8")
+    missing = [name for name in graddebug.__all__ if f'id="graddebug.{name}"' not in page]
+    assert not missing, f"not in the API reference: {missing}"
