@@ -300,11 +300,23 @@ def version_text() -> str:
     return "\n".join(lines)
 
 
+class _Version(argparse.Action):
+    """``--version``: print :func:`version_text` and exit; the metadata is read only then."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``graddebug`` command."""
     parser = argparse.ArgumentParser(prog="graddebug", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=version_text(),
+    parser.add_argument("--version", action=_Version,
                         help="print the versions of graddebug and its installed adapters")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a built-in sigmoid MLP and show its findings")
