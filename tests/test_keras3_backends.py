@@ -148,6 +148,32 @@ if backend == "torch":  # torch's step clock: each optimizer.apply closes the st
     out["apply_closes"] = norms(dbg.frame())
     out["apply_steps"] = sorted(set(dbg.frame()["step"].tolist()))
 
+if backend == "torch":  # the optimizer's view and the loss row, from Keras's apply and loss
+    keras.utils.set_random_seed(3)
+    # large enough that the 1% sample reads at least 32 entries of every tensor
+    wide = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, activation="tanh",
+                                                                    name="w1"),
+                             keras.layers.Dense(512, activation="tanh", name="w2"),
+                             keras.layers.Dense(8, name="w3")])
+    wide.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    r = np.random.RandomState(5)
+    xw, yw = r.randn(32, 64).astype("float32"), r.randn(32, 8).astype("float32")
+    names = [f"{v.path.split('/')[-2]}.{v.path.split('/')[-1]}" for v in wide.trainable_variables]
+    before = [v.numpy().astype(float) for v in wide.trainable_variables]
+    (w1, b1), (w2, b2), (w3, b3) = before[:2], before[2:4], before[4:]
+    out["wide_loss0"] = float(np.mean(
+        (np.tanh(np.tanh(xw @ w1 + b1) @ w2 + b2) @ w3 + b3 - yw) ** 2))
+    with graddebug.watch(wide) as dbg:
+        wide.fit(xw, yw, batch_size=32, epochs=1, verbose=0, shuffle=False,
+                 callbacks=[dbg.callback()])
+    after = [v.numpy().astype(float) for v in wide.trainable_variables]
+    out["wide_true"] = {n: [float(np.linalg.norm(a)), float(np.linalg.norm(a - b))]
+                        for n, a, b in zip(names, after, before)}
+    rows = dbg.frame()
+    out["wide_rows"] = {f"{r.layer}.{r.tensor}": [float(r.weight_norm), float(r.update_norm)]
+                        for r in rows[rows["kind"] == "parameter"].itertuples()}
+    out["wide_loss_row"] = rows.loc[rows["kind"] == "loss", "mean"].tolist()
+
 rng = np.random.RandomState(0)
 xs, ys = rng.randn(64, 4).astype("float32"), rng.randn(64, 1).astype("float32")
 keras.utils.set_random_seed(0)
@@ -305,6 +331,22 @@ def test_on_torch_each_keras_optimizer_apply_closes_a_step_under_optimizer():
 
 
 @pytest.mark.slow
+def test_on_torch_fit_records_the_weights_the_update_and_the_loss_of_each_batch():
+    got = child("torch")
+    # the loss of the one batch, at the weights before its update (numpy, by hand)
+    assert got["wide_loss_row"] == [pytest.approx(got["wide_loss0"], rel=1e-5)]
+    assert set(got["wide_rows"]) == set(got["wide_true"]) == {
+        f"w{i}.{t}" for i in (1, 2, 3) for t in ("kernel", "bias")}
+    for name, (weight, update) in got["wide_rows"].items():
+        true_weight, true_update = got["wide_true"][name]
+        assert true_update > 0
+        # estimated from a strided sample of the entries (small tensors whole): within its
+        # relative error, about 1 / sqrt(2 k) for the k >= 32 entries it reads
+        assert weight == pytest.approx(true_weight, rel=0.15), name
+        assert update == pytest.approx(true_update, rel=0.15), name
+
+
+@pytest.mark.slow
 def test_the_three_backends_record_the_same_norms():
     tf_run, torch_run, jax_run = (child(b)["fit"] for b in BACKENDS)
     assert set(tf_run) == set(torch_run) == set(jax_run)
@@ -318,7 +360,9 @@ def test_the_three_backends_record_the_same_norms():
 def test_a_deep_sigmoid_stack_vanishes_and_a_healthy_relu_net_has_no_finding(backend):
     got = child(backend)
     assert "vanishing" in got["sigmoid_issues"]
-    assert got["sigmoid_kinds"] == ["activation", "parameter"]
+    # the torch backend's callback records each batch's loss too
+    assert got["sigmoid_kinds"] == (["activation", "loss", "parameter"] if backend == "torch"
+                                    else ["activation", "parameter"])
     assert got["healthy_steps"] == 5
     assert got["healthy_findings"] == []
     assert got["fit_findings"] == []

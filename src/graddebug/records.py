@@ -78,9 +78,11 @@ class Record(NamedTuple):
         rank: The process (``torch.distributed`` rank) or replica (``tf.distribute``) that
             recorded the row; 0 in one process. Rows that combine every rank carry
             :data:`ALL_RANKS`.
-        weight_norm: Parameter rows: the L2 norm of the parameter itself at the step, before
-            the optimizer's update (the weights its gradient was computed at); NaN elsewhere
-            and where not known.
+        weight_norm: Parameter rows: the L2 norm of the parameter itself at the step. TF,
+            JAX and Keras on the JAX backend measure it before the optimizer's update (the
+            weights the gradient was computed at); torch and Keras on the torch backend when
+            the step closes, which is after the update in an ``opt.step(); dbg.step()``
+            loop. NaN elsewhere and where not known.
         update_norm: Parameter rows: the L2 norm of the update the optimizer applied at the
             step, ``||w_after - w_before||``, so that ``update_norm / weight_norm`` is its
             update/weight ratio; NaN elsewhere and where not known (no optimizer step seen).

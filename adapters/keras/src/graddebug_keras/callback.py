@@ -36,6 +36,8 @@ class KerasCallback(keras.callbacks.Callback):  # type: ignore[misc]
             they first appear; ``("nonfinite",)`` is TerminateOnNaN that names the layer.
         log: Add the metrics of each epoch's steps to the epoch's ``logs``.
         every_tensor: Add the norm of every recorded tensor too.
+        loss: Returns the loss of the batch just trained, or None; recorded as the loss row
+            of the step the batch closes.
 
     Raises:
         ConfigError: An unknown ``stop_on`` issue, or a ``log``/``every_tensor`` that is not a
@@ -45,13 +47,15 @@ class KerasCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
     def __init__(self, context: CallbackContext, prepare: Callable[[Any], None],
                  stop_on: Iterable[str] = (), *, log: bool = True,
-                 every_tensor: bool = False) -> None:
+                 every_tensor: bool = False,
+                 loss: Callable[[], float | None] | None = None) -> None:
         super().__init__()
         self._session = CallbackSession(
             "dbg.callback()", "get it inside `with graddebug.watch(model) as dbg:`.",
             stop_on=stop_on, log=log, every_tensor=every_tensor)
         self._session.bind(context)
         self._prepare = prepare
+        self._loss = loss
         self.stop_on = self._session.stop_on
 
     @property
@@ -65,8 +69,11 @@ class KerasCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._session.start(self.model)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        """Close the batch's step; stop training on a finding named in ``stop_on``."""
+        """Close the batch's step, with its loss; stop training on a finding named in
+        ``stop_on``."""
         closed = self._session.close()
+        if self._loss is not None:
+            self._session.record_loss(self._loss())
         if closed.stop:
             self.model.stop_training = True
 
@@ -81,8 +88,11 @@ class KerasCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
 
 def build_callback(context: WatchContext, prepare: Callable[[Any], None],
-                   options: dict[str, Any]) -> KerasCallback:
+                   options: dict[str, Any],
+                   loss: Callable[[], float | None] | None = None) -> KerasCallback:
     """The Keras callback of ``dbg.callback(**options)``, bound to ``context``'s Watcher.
+
+    ``prepare`` and ``loss`` are the backend's, as for :class:`KerasCallback`.
 
     Raises:
         ConfigError: An option that is not the callback's.
@@ -92,4 +102,4 @@ def build_callback(context: WatchContext, prepare: Callable[[Any], None],
         raise ConfigError(
             f"dbg.callback() got unknown options {sorted(unknown)!r}; it takes stop_on=, "
             "log= and every_tensor=.")
-    return KerasCallback(context.watcher, prepare, **options)
+    return KerasCallback(context.watcher, prepare, loss=loss, **options)

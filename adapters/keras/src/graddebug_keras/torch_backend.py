@@ -11,10 +11,15 @@ TensorFlow backend: the Keras layer name, and the variable's short name (``kerne
 
 Keras's optimizer is not a torch optimizer: the step boundary is the callback's
 ``on_train_batch_end``, or, with ``watch(model, optimizer=opt)``, the end of ``opt.apply``.
+Its ``apply`` is wrapped on the instance to give the torch adapter's update watch what torch's
+optimizer step hooks give it (the weights sampled before and after the update), so that
+parameter rows carry ``weight_norm`` and ``update_norm``; the callback also wraps the model's
+``compute_loss`` for the batch's loss row.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +45,9 @@ class KerasTorchAdapter(TorchAdapter):
                  options: WatchOptions) -> None:
         self._index = KerasLayers(model)
         self._wrapped: list[Wrapped] = []
+        # Per wrapped optimizer (by id): what to call after each of its applies.
+        self._applies: dict[int, list[Callable[[], None]]] = {}
+        self._loss: Any = None  # the tensor compute_loss returned last in training
         super().__init__(context, model, params, options)
 
     # -- what is watched, by Keras's names --------------------------------------------------
@@ -87,19 +95,64 @@ class KerasTorchAdapter(TorchAdapter):
             ConfigError: ``optimizer`` is not a Keras optimizer.
         """
         check_keras_optimizer(optimizer)
+        self._measure(optimizer).append(on_step)
+
+    def _measure(self, optimizer: Any) -> list[Callable[[], None]]:
+        """Wrap ``optimizer.apply`` once: the update watch samples the weights before and
+        after it, as around a torch optimizer's step, then the callbacks returned (a list to
+        add to) run. ``apply`` updates the variables' torch tensors in place."""
+        key = id(optimizer)
+        if key in self._applies:
+            return self._applies[key]
+        after: list[Callable[[], None]] = []
+        self._applies[key] = after
+        updates = self._updates
+        groups = _ParamGroups(self._index.model)
+
         def apply(original: Callable[..., Any]) -> Callable[..., Any]:
             def applied(*args: Any, **kwargs: Any) -> Any:
+                updates.before_step(groups)
                 out = original(*args, **kwargs)
-                on_step()
+                updates.after_step(groups)
+                for on_step in after:
+                    on_step()
                 return out
             return applied
 
         self._wrapped.append(Wrapped(optimizer, "apply", apply))
+        return after
+
+    def _prepare_fit(self, model: Any) -> None:
+        """When ``fit`` begins: measure its optimizer's updates, and keep the loss that the
+        model's ``compute_loss`` returns in training."""
+        if getattr(model, "optimizer", None) is not None:
+            self._measure(model.optimizer)
+
+        def compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)  # Keras reads its signature (a training= argument?)
+            def computed(*args: Any, **kwargs: Any) -> Any:
+                loss = original(*args, **kwargs)
+                if kwargs.get("training", True):
+                    self._loss = loss
+                return loss
+            return computed
+
+        if not any(w.obj is model and w.attr == "compute_loss" for w in self._wrapped):
+            self._wrapped.append(Wrapped(model, "compute_loss", compute_loss))
+
+    def _batch_loss(self) -> float | None:
+        """The loss of the batch just trained, as a number (one read), or None."""
+        loss, self._loss = self._loss, None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return None
+        return float(loss.detach())
 
     def detach(self) -> None:
-        """Unwrap the optimizers, then everything the torch adapter installed."""
+        """Unwrap the optimizers and the model, then everything the torch adapter installed."""
         while self._wrapped:
             self._wrapped.pop().restore()
+        self._applies.clear()
+        self._loss = None
         super().detach()
 
     # -- Training capability ----------------------------------------------------------------
@@ -128,5 +181,19 @@ class KerasTorchAdapter(TorchAdapter):
         Raises:
             ConfigError: An option that is not the callback's.
         """
-        return build_callback(self._ctx, lambda model: None, options)
+        return build_callback(self._ctx, self._prepare_fit, options, loss=self._batch_loss)
+
+
+class _ParamGroups:
+    """A Keras model's trainable variables in the one shape of a torch optimizer that the
+    update watch reads: ``param_groups``, a list of dicts with their ``params`` (the variables'
+    torch tensors, which Keras updates in place)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    @property
+    def param_groups(self) -> list[dict[str, list[torch.Tensor]]]:
+        """One group of every trainable variable's tensor, read anew (layers may be added)."""
+        return [{"params": [v.value for v in self._model.trainable_variables]}]
 
