@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import platform
 import pstats
 import statistics
@@ -226,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "graddebug": graddebug.__version__,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        "settings": {"layers": args.layers, "rounds": args.rounds,
+                     "steps_per_round": args.steps_per_round, "frame_steps": frame_steps},
         "targets": {"step_ratio": STEP_TARGET, "frame_plus_findings_s": FRAME_TARGET_S},
         "result": asdict(result),
     }

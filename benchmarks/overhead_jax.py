@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,7 @@ class Result:
     plain_ms: float
     target: float
     result: str
+    watched_ms: float = float("nan")
 
 
 def make_step(norms: bool) -> Callable[..., Any]:
@@ -163,8 +166,9 @@ def bench(workload: str, config: str, rounds: int, pairs: int) -> Result:
     ratio = estimate(list(range(rounds)))
     low, high = bootstrap_interval(estimate, rounds)
     plain_ms = 1e3 * statistics.median(t for rnd in plain_rounds for t in rnd)
+    watched_ms = 1e3 * statistics.median(t for rnd in watched_rounds for t in rnd)
     return Result(workload, config, ratio, low, high, plain_ms, TARGETS[config],
-                  verdict(low, high, TARGETS[config]))
+                  verdict(low, high, TARGETS[config]), watched_ms)
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
@@ -187,8 +191,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
     Console().print(table)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
+        "benchmark": "overhead_jax",
         "when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(),
-        "jax": jax.__version__, "rounds": args.rounds, "pairs": args.pairs,
+        "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
+        "flax": version("flax"), "optax": version("optax"), "graddebug": graddebug.__version__,
+        "rounds": args.rounds, "pairs": args.pairs,
         "results": [asdict(r) for r in results]}, indent=2), encoding="utf-8")
     return results
 

@@ -378,6 +378,7 @@ def environment() -> dict[str, Any]:
         "keras": keras.__version__,
         "graddebug": graddebug.__version__,
         "machine": platform.machine(),
+        "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

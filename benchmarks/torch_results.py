@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import subprocess
 from collections.abc import Sequence
@@ -146,6 +147,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "graddebug": graddebug.__version__,

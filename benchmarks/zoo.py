@@ -122,6 +122,24 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def versions(frameworks: list[str]) -> dict[str, str]:
+    """The versions of Python, graddebug and the libraries of the measured frameworks."""
+    import graddebug
+
+    found = {"python": platform.python_version(), "graddebug": graddebug.__version__}
+    if "torch" in frameworks:
+        import torch
+        import transformers
+
+        found |= {"torch": torch.__version__, "transformers": transformers.__version__}
+    if "tensorflow" in frameworks:
+        import keras
+        import tensorflow as tf
+
+        found |= {"tensorflow": tf.__version__, "keras": keras.__version__}
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, then write ``zoo.md`` and ``zoo.json`` to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -145,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "zoo.md").write_text(table, encoding="utf-8")
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": platform.platform(), "cpus": os.cpu_count(), "rounds": args.rounds,
-            "steps": args.steps, "torch_threads": args.threads}
-    (args.out / "zoo.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1),
-                                       encoding="utf-8")
+            "steps": args.steps, "torch_threads": args.threads,
+            "frameworks": args.frameworks, "versions": versions(args.frameworks)}
+    payload = {"benchmark": "zoo", "meta": meta, "rows": rows}
+    (args.out / "zoo.json").write_text(json.dumps(payload, indent=1), encoding="utf-8")
     print(table)
     return 0
 
