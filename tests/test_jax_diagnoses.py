@@ -76,6 +76,43 @@ def test_nonfinite_says_whether_the_output_held_nan_or_inf(value, word):
     assert f"output held {word} in the forward pass" in found.iloc[0]["message"]
 
 
+def _train_with_a_bad_batch(model, bad_step, value, steps=5, every=1):
+    """A jitted loop whose batch at ``bad_step`` holds ``value`` in one entry; the model's
+    input is the only source of the NaN/Inf."""
+    grad = nnx.jit(nnx.grad(square_loss))
+    with graddebug.watch(model, every=every) as dbg:
+        for i in range(steps):
+            x = jax.random.normal(jax.random.PRNGKey(i), (16, 4))
+            if i == bad_step:
+                x = x.at[3, 1].set(value)
+            dbg.step(grad(model, x))
+    return dbg
+
+
+@pytest.mark.parametrize(("value", "word"), [(jnp.inf, "Inf"), (jnp.nan, "NaN")])
+def test_a_bad_batch_is_blamed_on_the_data_at_its_step(value, word):
+    dbg = _train_with_a_bad_batch(MLP([4, 8, 8, 1]), 2, value)
+    events = dbg.events().query("event == 'input_nonfinite'")
+    assert events[["step", "layer", "tensor", "detail"]].values.tolist() == [
+        [2, "input", "args.0", word]]  # model(x): its first argument
+    found = dbg.findings().query("issue == 'nonfinite'").iloc[0]
+    assert (found["step"], found["cause"], found["layer"]) == (2, "data", "layers.0")
+
+
+def test_a_model_that_makes_its_own_nan_from_a_finite_batch_is_not_blamed_on_the_data():
+    model = MLP([4, 8, 8, 1])
+    model.layers[1].bias.set_value(jnp.full((8,), jnp.nan))
+    dbg = _train_with_a_bad_batch(model, -1, 0.0, steps=2)
+    assert dbg.events().query("event == 'input_nonfinite'").empty
+    found = dbg.findings().query("issue == 'nonfinite'").iloc[0]
+    assert found["cause"] != "data" and found["layer"] == "layers.1"
+
+
+def test_a_bad_batch_on_a_step_that_every_skips_leaves_no_event():
+    dbg = _train_with_a_bad_batch(MLP([4, 8, 8, 1]), 1, jnp.inf, steps=4, every=2)
+    assert dbg.events().query("event == 'input_nonfinite'").empty
+
+
 def test_a_healthy_relu_net_has_no_finding():
     model = MLP([4, 64, 64, 64, 3], seed=2)
     x = jax.random.normal(jax.random.PRNGKey(0), (64, 4))

@@ -99,7 +99,8 @@ def _from_data(found: Finding, step: int, events: pd.DataFrame,
         f"the model's input held NaN/Inf at step {step}: {held}. The data, not the model, "
         f"brought it; {found.layer!r} is the first layer it reached. Check the batch (a "
         "corrupt sample, a division or log in preprocessing, a missing value), or skip "
-        "batches that fail torch.isfinite(x).all() / tf.reduce_all(tf.math.is_finite(x))."))
+        "batches that fail torch.isfinite(x).all() / tf.reduce_all(tf.math.is_finite(x)) / "
+        "jnp.isfinite(x).all()."))
 
 
 def _layer_origin(step: int, bad_rows: pd.DataFrame, forward: pd.DataFrame,

@@ -32,7 +32,7 @@ from graddebug.errors import ConfigError, GradDebugError, GradientCountError
 from graddebug_jax.closing import StepRows, given_rows
 from graddebug_jax.modules import ModelIndex, floating_leaves, patch_calls, path_name
 from graddebug_jax.optax_monitor import monitor_of
-from graddebug_jax.sites import Chains, probe
+from graddebug_jax.sites import Chains, check_inputs, probe
 
 __all__ = ["JaxAdapter", "JaxTaps"]
 
@@ -110,6 +110,8 @@ class JaxAdapter(JaxTaps):
     def attach(self) -> None:
         """Label the watched modules and wrap their classes' ``__call__``."""
         wanted = {n: m for n, m in self._targets.items() if self._layers[n].capture}
+        if self._index is not None:  # the root's call checks the model's inputs too
+            wanted.setdefault(self._index.root, self._index.model)
         if wanted:
             self._patches = patch_calls(self._id, wanted, self._on_call)
 
@@ -200,8 +202,14 @@ class JaxAdapter(JaxTaps):
 
     def _on_call(self, name: str, call: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        """A watched module's call: its inputs probed, its floating outputs watched."""
-        layer = self._layers[name]
+        """A watched module's call: its inputs probed, its floating outputs watched; the
+        root's inputs checked for NaN/Inf (the data)."""
+        if self._index is not None and name == self._index.root:
+            with self._fail_open(name):
+                self._check_inputs(args, kwargs)
+        layer = self._layers.get(name)
+        if layer is None or not layer.capture:  # the root, patched for its inputs only
+            return call(*args, **kwargs)
         flags: list[list[bool]] = []
         try:
             args = tuple(self._probed(a, flags) for a in args)
@@ -214,6 +222,17 @@ class JaxAdapter(JaxTaps):
         with self._fail_open(name):
             return self._watch_output(layer, out, any(f[0] for f in flags))
         return out
+
+    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The model's floating array arguments, ``args.<i>`` and ``kwargs.<name>``, checked
+        for NaN/Inf on the device (:func:`~.sites.check_inputs`)."""
+        named = [*((f"args.{i}", a) for i, a in enumerate(args)),
+                 *((f"kwargs.{k}", v) for k, v in kwargs.items())]
+        floating = [(label, a) for label, a in named
+                    if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
+        if floating:
+            check_inputs([a for _, a in floating], [label for label, _ in floating],
+                         self._rows.add_inputs)
 
     @staticmethod
     def _probed(arg: Any, flags: list[list[bool]]) -> Any:

@@ -22,12 +22,15 @@ from graddebug.records import Event, EventKind, Kind, Record, sums_record
 from graddebug_jax.sites import Site
 from graddebug_jax.stats import ACT_COLUMNS, FORWARD_NAN, PARAM_COLUMNS, param_rows
 
-__all__ = ["ParamNamer", "StepRows", "given_rows"]
+__all__ = ["INPUT_LAYER", "ParamNamer", "StepRows", "given_rows"]
 
 _ACT = Kind.ACTIVATION.value
 _PARAM = Kind.PARAMETER.value
 _A = {name: i for i, name in enumerate(ACT_COLUMNS)}
 _P = {name: i for i, name in enumerate(PARAM_COLUMNS)}
+
+INPUT_LAYER = "input"
+"""The ``layer`` of the events of the model's inputs, as in the other adapters."""
 
 ParamNamer = Callable[[str], tuple[str, str, int]]
 """``namer(path) -> (layer, tensor, depth)`` of a parameter row."""
@@ -67,6 +70,7 @@ class StepRows:
         self._namer = namer
         self._layers: list[tuple[list[Site], np.ndarray]] = []
         self._params: list[_ParamBatch] = []
+        self._inputs: list[tuple[str, str]] = []  # (tensor, "NaN" | "Inf") of bad inputs
         self.transfers = 0
         """Batches delivered to the host so far (each one a device-to-host transfer)."""
 
@@ -83,6 +87,14 @@ class StepRows:
         self._params.append(_ParamBatch(paths, shapes, rows))
         self.transfers += int(transfer)
 
+    def add_inputs(self, labels: Sequence[str], codes: np.ndarray) -> None:
+        """The model's inputs of a forward pass in which one held NaN or Inf: each input's
+        :func:`~.stats.forward_code`, aligned with ``labels`` (``args.0``, ``kwargs.x``)."""
+        self.transfers += 1
+        for label, code in zip(labels, np.asarray(codes).ravel(), strict=True):
+            if code > 0:
+                self._inputs.append((label, "NaN" if code == FORWARD_NAN else "Inf"))
+
     # -- the close (the user's thread) ------------------------------------------------------
 
     def pending(self) -> bool:
@@ -92,14 +104,17 @@ class StepRows:
 
     def clear(self) -> None:
         """Drop what arrived (detach, or a step ``every=`` skips)."""
-        self._layers, self._params = [], []
+        self._layers, self._params, self._inputs = [], [], []
 
     def close(self, step: int) -> StepResult:
         """The records and events of everything that arrived; then clear."""
         jax.effects_barrier()
-        layers, params = self._layers, self._params
+        layers, params, inputs = self._layers, self._params, self._inputs
         self.clear()
         result = StepResult()
+        for tensor, what in dict.fromkeys(inputs):  # a forward traced twice reports once
+            result.events.append(Event(step, INPUT_LAYER, tensor, -1,
+                                       EventKind.INPUT_NONFINITE.value, what))
         for sites, rows in layers:
             for site, row in zip(sites, rows, strict=False):
                 self._layer_row(step, site, row, result)

@@ -27,7 +27,7 @@ which a statistics read does not need. The chain uses one unordered ``jax.debug.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ from jax.custom_derivatives import SymbolicZero
 from graddebug.capture.layers import Intervention, LayerSpec, intervene_fail_open
 from graddebug_jax.stats import ACT_COLUMNS, activation_row, forward_code
 
-__all__ = ["CAPACITY", "Chains", "Site", "apply_intervention", "probe"]
+__all__ = ["CAPACITY", "Chains", "Site", "apply_intervention", "check_inputs", "probe"]
 
 CAPACITY = 128
 """Slots of one token chain; a trace with more identities starts another chain (and another
@@ -93,6 +93,26 @@ def apply_intervention(grad: jax.Array, spec: Intervention) -> jax.Array:
         norm = jnp.sqrt(jnp.sum(out * out))
         out = out * jnp.minimum(jnp.asarray(1.0, out.dtype), spec.clip_norm / norm)
     return out
+
+
+def check_inputs(arrays: Sequence[jax.Array], labels: Sequence[str],
+                 deliver: Callable[[Sequence[str], np.ndarray], None]) -> None:
+    """Check the model's floating inputs for NaN/Inf in the forward pass, inside the trace.
+
+    Each array's :func:`~.stats.forward_code` is computed on the device, and only when one is
+    non-zero does a ``jax.debug.callback`` (under ``lax.cond``) hand the codes to ``deliver``
+    with ``labels``: a healthy step pays for the reductions and no transfer.
+    """
+    codes = jnp.stack([forward_code(a) for a in arrays])
+    names = list(labels)
+
+    def report(found: np.ndarray) -> None:
+        deliver(names, found)
+
+    def send(found: jax.Array) -> None:
+        jax.debug.callback(report, found)
+
+    jax.lax.cond(jnp.any(codes > 0), send, lambda found: None, codes)
 
 
 def _fits(out: Any, grad: Any) -> bool:
