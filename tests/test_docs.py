@@ -221,3 +221,51 @@ def test_the_reference_documents_every_public_name(tmp_path: Path) -> None:
     page = (out / "reference" / "graddebug.html").read_text(encoding="utf-8")
     missing = [name for name in graddebug.__all__ if f'id="graddebug.{name}"' not in page]
     assert not missing, f"not in the API reference: {missing}"
+
+
+# -- the graddebug commands of the docs' shell blocks --------------------------------------
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """Every ``graddebug ...`` line of a ```bash block of the README and the docs pages, its
+    comment stripped, with the file it is in."""
+    from test_readme import _name, documents
+
+    found = []
+    for path in documents():
+        text = path.read_text(encoding="utf-8")
+        for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL):
+            for line in block.splitlines():
+                command = line.split("#", 1)[0].strip()
+                if command.startswith("graddebug "):
+                    found.append((_name(path), command))
+    return found
+
+
+def test_the_docs_show_graddebug_commands() -> None:
+    commands = {command.split()[1] for _, command in _documented_commands()}
+    assert {"demo", "report", "compare"} <= commands
+
+
+@pytest.mark.parametrize(("where", "command"), _documented_commands())
+def test_every_documented_graddebug_command_runs(
+        where: str, command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
+    import runs
+    from graddebug.cli import main
+
+    pytest.importorskip("pyarrow")
+    args = shlex.split(command)[1:]
+    monkeypatch.chdir(tmp_path)
+    for token in args:  # the runs a command reads: small recorded runs saved there
+        if token.startswith("runs/"):
+            runs.report(runs.records(steps=3, layers=("embed", "head"))).save(tmp_path / token)
+    code = main(args)
+    out = capsys.readouterr()
+    # 0: healthy, 1: the run has error findings; 2 would be a bad run or a bad argument
+    assert code in (0, 1), f"{where}: `{command}` exited with {code}: {out.err[-2000:]}"
+    for token in args:
+        if token.endswith((".html", ".csv", ".json")):
+            assert (tmp_path / token).stat().st_size > 0, f"{where}: {token} not written"
