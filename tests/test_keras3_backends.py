@@ -196,6 +196,22 @@ with graddebug.watch(healthy) as dbg:
 out["healthy_findings"] = dbg.findings()[["layer", "issue"]].values.tolist()
 out["healthy_steps"] = int(dbg.frame()["step"].max()) + 1
 out["warnings"] = list(caught)
+
+# a batch that holds an Inf: the data's fault, at its step, on every backend
+bad_x = rng.randn(64, 4).astype("float32")
+bad_x[40, 2] = np.inf  # batch 2 of 16
+keras.utils.set_random_seed(4)
+small = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                          keras.layers.Dense(1)])
+small.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+with graddebug.watch(small) as dbg:
+    small.fit(bad_x, rng.randn(64, 1).astype("float32"), batch_size=16, epochs=1, verbose=0,
+              shuffle=False, callbacks=[dbg.callback()])
+bad = dbg.findings()
+out["bad_batch"] = bad.loc[bad["issue"] == "nonfinite", ["step", "cause"]].values.tolist()
+inputs = dbg.events()
+out["bad_batch_inputs"] = inputs.loc[inputs["event"] == "input_nonfinite",
+                                     ["step", "detail"]].values.tolist()
 if backend == "jax":  # keep= has no dense copies on this backend: one warning, rows go on
     caught.clear()
     model = mlp()
@@ -366,6 +382,14 @@ def test_a_deep_sigmoid_stack_vanishes_and_a_healthy_relu_net_has_no_finding(bac
     assert got["healthy_steps"] == 5
     assert got["healthy_findings"] == []
     assert got["fit_findings"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_holding_an_inf_is_blamed_on_the_data_at_its_step(backend):
+    got = child(backend)
+    assert got["bad_batch_inputs"] == [[2, "Inf"]]
+    assert got["bad_batch"][0] == [2, "data"]
 
 
 @pytest.mark.slow

@@ -45,8 +45,9 @@ _KEEPS_FINITE: tuple[type, ...] = (nnx.Dropout,)
 
 class JaxTaps(BaseAdapter):
     """What every adapter that records through JAX's identities shares (this one, and Keras
-    on the JAX backend): ``dbg.tap`` and the pending check. Subclasses set ``_chains``,
-    ``_rows`` and ``_tapper`` (who taps, for the error of a wrong tensor)."""
+    on the JAX backend): ``dbg.tap``, the pending check and the check of the model's inputs.
+    Subclasses set ``_chains``, ``_rows`` and ``_tapper`` (who taps, for the error of a wrong
+    tensor)."""
 
     _chains: Chains
     _rows: StepRows
@@ -67,6 +68,18 @@ class JaxTaps(BaseAdapter):
         """Whether a backward pass or an update delivered rows since the last close (waits
         for the callbacks in flight)."""
         return self._rows.pending()
+
+    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The model's floating array arguments, ``args.<i>`` and ``kwargs.<name>``, checked
+        for NaN/Inf on the device (:func:`~.sites.check_inputs`): a non-finite one is an
+        ``input_nonfinite`` event of the step, the data's fault."""
+        named = [*((f"args.{i}", a) for i, a in enumerate(args)),
+                 *((f"kwargs.{k}", v) for k, v in kwargs.items())]
+        floating = [(label, a) for label, a in named
+                    if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
+        if floating:
+            check_inputs([a for _, a in floating], [label for label, _ in floating],
+                         self._rows.add_inputs)
 
 
 class JaxAdapter(JaxTaps):
@@ -222,17 +235,6 @@ class JaxAdapter(JaxTaps):
         with self._fail_open(name):
             return self._watch_output(layer, out, any(f[0] for f in flags))
         return out
-
-    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The model's floating array arguments, ``args.<i>`` and ``kwargs.<name>``, checked
-        for NaN/Inf on the device (:func:`~.sites.check_inputs`)."""
-        named = [*((f"args.{i}", a) for i, a in enumerate(args)),
-                 *((f"kwargs.{k}", v) for k, v in kwargs.items())]
-        floating = [(label, a) for label, a in named
-                    if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
-        if floating:
-            check_inputs([a for _, a in floating], [label for label, _ in floating],
-                         self._rows.add_inputs)
 
     @staticmethod
     def _probed(arg: Any, flags: list[list[bool]]) -> Any:

@@ -10,6 +10,8 @@ the traced computation itself, where it is compiled with the step:
   the ``jax.custom_vjp`` identities of :class:`graddebug_jax.sites.Chains`, whose backward rule
   measures the gradient at the output and hands the whole backward pass's rows to the host in
   one ``jax.debug.callback``;
+- the model's own ``call`` checks its floating inputs for NaN/Inf, calling back to the host
+  only when one is not finite (:func:`graddebug_jax.sites.check_inputs`);
 - the optimizer's ``stateless_apply`` (and its eager ``apply``) is wrapped on the instance:
   it measures the gradients it is handed, the weights they were taken at and the update it
   makes (:func:`graddebug_jax.stats.param_rows`), in one more callback.
@@ -93,6 +95,7 @@ class KerasJaxAdapter(JaxTaps):
         for name, layer in self._targets.items():
             if self._layers[name].capture:
                 self._wrapped.append(Wrapped(layer, "call", self._wrap_call(name)))
+        self._wrapped.append(Wrapped(self._index.model, "call", self._wrap_inputs))
         optimizer = getattr(self._index.model, "optimizer", None)
         if optimizer is not None:
             self.take_gradients(optimizer)
@@ -215,6 +218,15 @@ class KerasJaxAdapter(JaxTaps):
             return watched
 
         return wrap
+
+    def _wrap_inputs(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """The model's own ``call``, its floating inputs checked for NaN/Inf first."""
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            with self._fail_open("input"):
+                self._check_inputs(args, kwargs)
+            return call(*args, **kwargs)
+
+        return checked
 
     def _watch_output(self, layer: LayerSpec, out: Any, inputs_need_grad: bool) -> Any:
         watched = dict(floating_leaves(out))
