@@ -269,3 +269,38 @@ def test_every_documented_graddebug_command_runs(
     for token in args:
         if token.endswith((".html", ".csv", ".json")):
             assert (tmp_path / token).stat().st_size > 0, f"{where}: {token} not written"
+
+
+# -- the defaults the docs quote ----------------------------------------------------------
+
+
+def _quoted_defaults(text: str) -> list[tuple[str, str]]:
+    """The ``name=value`` code spans of ``text`` whose name is a field of ``Thresholds``."""
+    import graddebug
+
+    fields = {f.name for f in dataclasses.fields(graddebug.Thresholds)}
+    return [(name, value) for name, value in re.findall(r"`(\w+)=([-+.\w]+)`", text)
+            if name in fields]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/diagnoses.md"])
+def test_the_defaults_the_diagnoses_tables_quote_are_the_thresholds_defaults(page: str) -> None:
+    import graddebug
+
+    defaults = graddebug.Thresholds()
+    quoted = _quoted_defaults((ROOT / page).read_text(encoding="utf-8"))
+    assert len(quoted) >= 12, f"{page} quotes only {quoted}"
+    wrong = [(name, value, getattr(defaults, name)) for name, value in quoted
+             if float(value) != float(getattr(defaults, name))]
+    assert not wrong, f"{page} quotes defaults that are not Thresholds': {wrong}"
+
+
+def test_each_default_line_of_the_diagnoses_page_names_its_thresholds() -> None:
+    # "**Default:** `100`, `5`" leaves the reader to match values to names by position, which
+    # went wrong once; every value is written as name=value.
+    page = (ROOT / "docs" / "diagnoses.md").read_text(encoding="utf-8")
+    lines = re.findall(r"\*\*Default:\*\* (.*?)\. \*\*Why", page)
+    assert len(lines) >= 10
+    for line in lines:
+        spans = re.findall(r"`([^`]*)`", line)
+        assert line.strip() == "-" or (spans and all("=" in span for span in spans)), line
