@@ -33,7 +33,7 @@ from torch.nn import functional as F  # noqa: E402
 import graddebug  # noqa: E402
 from graddebug.errors import GradDebugWarning  # noqa: E402
 from graddebug_torch import updates as torch_updates  # noqa: E402
-from graddebug_torch.updates import FEWEST, FRACTION, MOST, sample_sizes  # noqa: E402
+from graddebug_torch.samples import FEWEST, FRACTION, MOST, Group, sample_sizes  # noqa: E402
 from torch_models import relu_mlp  # noqa: E402
 
 WIDE = 512
@@ -498,7 +498,7 @@ def test_a_bug_in_the_optimizer_hooks_fails_open(monkeypatch: pytest.MonkeyPatch
     base = wide_mlp(13)
     plain, model = copy.deepcopy(base), copy.deepcopy(base)
     train(plain, torch.optim.Adam(plain.parameters(), lr=1e-3), "after")
-    monkeypatch.setattr(torch_updates if where == "_held" else torch_updates._Group, where,
+    monkeypatch.setattr(torch_updates if where == "_held" else Group, where,
                         broken)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with pytest.warns(GradDebugWarning, match="bug inside graddebug"), \

@@ -9,14 +9,7 @@ step; with ``dbg.step()`` before it (or Lightning's and the Trainer's callbacks,
 step before the optimizer updates), the weights its gradient was computed at and the previous
 step's update.
 
-No copy of the weights is kept. Each parameter is seen through a fixed sample of its entries,
-a strided view ``flat[::stride]`` whose stride is a prime near ``numel / k`` that divides none
-of the tensor's row lengths, so that the sample walks across the columns of a matrix rather
-than down one of them; both norms are the sample's times ``sqrt(numel / k)``, exact for a
-tensor small enough to be taken whole (:func:`sample_sizes` says how many entries each tensor
-gets). The samples of one device, dtype and length share one buffer of two slots, a row each:
-the buffers are the only memory held, at most :data:`FRACTION` of the parameters' entries,
-small tensors included.
+Each parameter is seen through a fixed sample of its entries (:mod:`graddebug_torch.samples`).
 
 Any torch optimizer is followed, through torch's global step hooks, for as long as the
 adapter is attached, so that Lightning's, the Trainer's and a plain loop's optimizers are all
@@ -47,14 +40,13 @@ The view of a parameter whose ``.data`` was replaced keeps the old storage until
 have NaN in both columns: sharded ones (``DTensor``, FSDP2: each rank holds a slice) and other
 tensor subclasses, sparse ones, those that are not dense in memory (a slice of a larger tensor;
 a permuted dense tensor, ``channels_last`` say, is sampled in memory order), non-float ones,
-and those left out where the budget cannot give every tensor :data:`FEWEST` entries (a model
-of a few thousand entries gets none). Optimizer steps run inside ``torch.compile`` are not
-measured.
+and those left out where the budget cannot give every tensor
+:data:`~graddebug_torch.samples.FEWEST` entries (a model of a few thousand entries gets
+none). Optimizer steps run inside ``torch.compile`` are not measured.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Sequence
@@ -72,22 +64,10 @@ from torch.utils.hooks import RemovableHandle
 from graddebug.adapter import WatchContext
 from graddebug.capture.layers import FailOpen
 from graddebug_torch.params import ParamRow, TorchParam
+from graddebug_torch.samples import Group, Layout, Sample
 
-__all__ = ["FEWEST", "FRACTION", "MOST", "Batch", "UpdateWatch", "sample_sizes"]
+__all__ = ["Batch", "UpdateWatch"]
 
-FRACTION = 0.01
-"""The most entries the buffers hold, both slots, as a fraction of the sampled parameters'
-entries."""
-
-MOST = 1024
-"""The most entries sampled from one tensor, which bounds the pages a copy touches in a large
-one. On a 512-wide MLP whose budget gives its 512 x 512 weights 598 entries each, the
-estimates of their updates were off by 3.1% root mean square over 576 steps of SGD, momentum,
-Adam and AdamW (11% at worst), and of their weights by 2.9%."""
-
-FEWEST = 32
-"""The fewest entries a sampled tensor gets: fewer would be too few to estimate a norm from,
-and a sample of a few entries that all happen to be zero would show a moving tensor as still."""
 
 _NAN = math.nan
 
@@ -102,260 +82,19 @@ class Batch(Protocol):
         """The fetched values of ``slot``."""
 
 
-def sample_sizes(numels: Sequence[int], fraction: float = FRACTION, most: int = MOST,
-                 fewest: int = FEWEST) -> list[int]:
-    """How many entries of each tensor to sample (0: none), within a total budget.
-
-    The budget, ``fraction`` of all entries, is shared as water fills a basin: each tensor gets
-    ``min(numel, level)`` for the highest level (at most ``most``) the budget reaches, so that
-    small tensors are taken whole. Where the level stays below ``fewest`` (a model of many
-    small tensors), the tensors under it are taken whole and the largest others get ``fewest``
-    entries each while the budget lasts; the rest get none.
-
-    Args:
-        numels: Each tensor's number of entries.
-        fraction: The budget, as a fraction of ``sum(numels)``.
-        most: The most entries of one tensor.
-        fewest: The fewest entries of a tensor that is sampled and not whole.
-
-    Returns:
-        The sizes, in the order of ``numels``; their sum is at most the budget.
-    """
-    budget = int(sum(numels) * fraction)
-    level = _level(sorted(numels), budget, most)
-    if level >= fewest or all(n <= level for n in numels):
-        return [min(n, level) for n in numels]
-    sizes = [n if n <= level else 0 for n in numels]
-    left = budget - sum(sizes)
-    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        take = min(numels[i], fewest)
-        if sizes[i] or take > left:
-            continue
-        sizes[i] = take
-        left -= take
-    return sizes
-
-
-def _level(ascending: Sequence[int], budget: int, most: int) -> int:
-    """The highest ``c <= most`` with ``sum(min(n, c)) <= budget`` over ``ascending``."""
-    whole = 0  # the entries of the tensors below the level, taken whole
-    for j, n in enumerate(ascending):
-        level = (budget - whole) // (len(ascending) - j)
-        if level < n:
-            return min(level, most)
-        whole += n
-    return most
-
-
-@functools.lru_cache(maxsize=4096)
-def _prime_from(n: int) -> int:
-    """The smallest prime that is at least ``n``."""
-    candidate = max(n, 2)
-    while any(candidate % d == 0 for d in range(2, math.isqrt(candidate) + 1)):
-        candidate += 1
-    return candidate
-
-
-def _stride(numel: int, k: int, rows: Sequence[int]) -> int:
-    """A prime stride that takes at most ``k`` of ``numel`` entries and divides none of the
-    row lengths ``rows`` (a stride that does would sample one column only); 1 for all."""
-    if k >= numel:
-        return 1
-    stride = _prime_from(-(-numel // k))
-    while any(r % stride == 0 for r in rows):
-        stride = _prime_from(stride + 1)
-    return stride
-
-
-def _flat(param: Tensor) -> tuple[Tensor, list[int]] | None:
-    """A parameter's entries as one flat view in memory order, and its row lengths (the
-    products of its innermost sizes); None when no view holds exactly its entries."""
-    data = param.detach()
-    if (type(data) is not Tensor or data.layout != torch.strided or data.is_meta
-            or not data.is_floating_point() or data.numel() == 0):
-        return None
-    order = sorted(range(data.dim()), key=data.stride)
-    rows, length = [], 1
-    for d in order:  # innermost first: dense exactly when each stride spans the dims inside
-        size = data.size(d)
-        if size == 1:
-            continue
-        if data.stride(d) != length:
-            return None
-        if length > 1:
-            rows.append(length)
-        length *= size
-    if data.is_contiguous():
-        return data.view(-1), rows
-    return data.as_strided((data.numel(),), (1,), data.storage_offset()), rows
-
-
-_Stamp = tuple[int, int]
-"""A parameter's ``(data_ptr(), _version)``: either changes when its weights do, except
-through ``.data``."""
-_NEVER: _Stamp = (-1, -1)
-
-
-class _Group:
-    """The samples of one device, dtype and length, in a buffer of two slots with a row for
-    each sample. The latest copy of the samples is in slot ``current``, each row as it was
-    at its ``stamps``; an optimizer step leaves its change in the other slot.
-
-    Args:
-        buffer: ``(2, samples, k)``.
-    """
-
-    __slots__ = ("buffer", "current", "held", "samples", "slots", "stamps", "views", "weights")
-
-    def __init__(self, buffer: Tensor) -> None:
-        self.buffer = buffer
-        self.slots = (buffer[0], buffer[1])
-        self.current = 0
-        self.samples: list[_Sample] = []
-        self.views: list[Tensor] = []
-        self.stamps: list[_Stamp] = []
-        self.held: _Plan | None = None
-        """The plan of an optimizer step under way, whose copy from before the step is the
-        slot ``current`` was when it began: a refresh then writes the other slot."""
-        self.weights: tuple[Tensor, int] | None = None
-        """The norms of both slots and the slot of the copy, while the copy is current."""
-
-    @property
-    def acc(self) -> torch.dtype:
-        """The dtype its norms are taken in: float64 for float64, else float32 (a half
-        precision norm overflows past 65504)."""
-        return torch.float64 if self.buffer.dtype == torch.float64 else torch.float32
-
-    def now(self) -> list[_Stamp]:
-        """The samples' parameters' stamps now."""
-        return [(s.param.data_ptr(), s.param._version) for s in self.samples]
-
-    def refresh(self) -> bool:
-        """Copy the samples whose parameter changed since their row was copied (none, as a
-        rule, when the latest change was an optimizer step this module saw), taking their
-        views anew where ``.data`` was replaced.
-
-        Returns:
-            False when a replaced ``.data`` no longer fits its row (its size, dtype or
-            device changed, or it cannot be sampled): the layout must be built again.
-        """
-        now = self.now()
-        if now == self.stamps:
-            return True
-        changed = [i for i, (a, b) in enumerate(zip(now, self.stamps, strict=True)) if a != b]
-        for i in changed:
-            if now[i][0] != self.stamps[i][0] and not self._retake(i):
-                return False
-        slot = self.slots[self.current]
-        if self.held is not None:  # the step's copy from before it stays where it is
-            self.current = 1 - self.current
-            fresh = self.slots[self.current]
-            if len(changed) < len(now):
-                fresh.copy_(slot)
-            slot, self.held = fresh, None
-        if len(changed) == len(now):
-            torch.stack(self.views, out=slot)
-        else:
-            torch._foreach_copy_([slot[i] for i in changed], [self.views[i] for i in changed])
-        self.stamps, self.weights = now, None
-        return True
-
-    def _retake(self, i: int) -> bool:
-        """Take sample ``i``'s view anew, of its parameter's new ``.data``; False when that
-        no longer fits the row."""
-        sample, old = self.samples[i], self.views[i]
-        found = _flat(sample.param)
-        if found is None:
-            return False
-        view = found[0][::sample.stride]
-        if (view.shape, view.dtype, view.device) != (old.shape, old.dtype, old.device):
-            return False
-        self.views[i] = view
-        return True
-
-    def stepped(self, before: int) -> Tensor:
-        """After an optimizer step whose copy from before it is in slot ``before``: copy the
-        samples into the other slot, leave their change in ``before``, and return the norms
-        of both slots (``[before]``: the change's, the other: the weights')."""
-        after = 1 - before
-        torch.stack(self.views, out=self.slots[after])
-        self.slots[before].sub_(self.slots[after])  # before - after: the same norm
-        norms: Tensor = torch.linalg.vector_norm(self.buffer, dim=2, dtype=self.acc)
-        self.current, self.stamps, self.held = after, self.now(), None
-        self.weights = (norms, after)
-        return norms
-
-    def weight_norms(self) -> tuple[Tensor, int]:
-        """The norms of the samples' latest copy: ``(norms, slot)``, the copy's row of
-        ``norms``."""
-        if self.weights is None:
-            norms: Tensor = torch.linalg.vector_norm(self.buffer, dim=2, dtype=self.acc)
-            self.weights = (norms, self.current)
-        return self.weights
-
-
-@dataclass(eq=False, slots=True)
-class _Sample:
-    """One parameter's sample: a view of every ``stride``-th entry, and its buffer row."""
-
-    index: int
-    """The parameter's position among the adapter's watched parameters."""
-    param: Tensor
-    stride: int
-    """Its view holds every ``stride``-th entry (see :func:`_stride`)."""
-    scale: float
-    """``sqrt(numel / k)``: from the sample's norm to the tensor's."""
-    position: int
-    """Its row in its group's buffer."""
-
-
-class _Layout:
-    """Every watched parameter's sample, and the buffers they share.
-
-    Args:
-        params: The watched parameters.
-    """
-
-    def __init__(self, params: Sequence[TorchParam]) -> None:
-        found = [(i, flat) for i, p in enumerate(params) if (flat := _flat(p.param)) is not None]
-        # Two slots of each sample are held: the budget goes to them both.
-        sizes = sample_sizes([entries.numel() for _, (entries, _) in found], FRACTION / 2)
-        self.samples: list[tuple[_Sample, _Group] | None] = [None] * len(params)
-        members: dict[tuple[torch.device, torch.dtype, int], list[tuple[int, Tensor, int]]] = {}
-        for (i, (entries, rows)), k in zip(found, sizes, strict=True):
-            if k:
-                stride = _stride(entries.numel(), k, rows)
-                view = entries[::stride]
-                members.setdefault((view.device, view.dtype, view.numel()), []).append(
-                    (i, view, stride))
-        self.groups: list[_Group] = []
-        for (device, dtype, k), taken in members.items():
-            group = _Group(torch.empty((2, len(taken), k), dtype=dtype, device=device))
-            for position, (i, view, stride) in enumerate(taken):
-                param = params[i].param
-                sample = _Sample(i, param, stride, math.sqrt(param.numel() / k), position)
-                self.samples[i] = (sample, group)
-                group.samples.append(sample)
-                group.views.append(view)
-                group.stamps.append(_NEVER)
-            self.groups.append(group)
-        self.entries = sum(g.buffer.numel() for g in self.groups)
-        """The entries the buffers hold."""
-
-
 @dataclass(eq=False)
 class _Plan:
     """The samples of the watched parameters one optimizer holds, by group."""
 
     signature: tuple[int, ...]
     """How many parameters each of its ``param_groups`` held when the plan was made."""
-    layout: _Layout
-    groups: dict[_Group, list[_Sample]]
+    layout: Layout
+    groups: dict[Group, list[Sample]]
     waiting: bool = False
     """The pre-hook ran (``before`` holds the weights), the post-hook has not come yet."""
-    before: dict[_Group, int] = field(default_factory=dict)
+    before: dict[Group, int] = field(default_factory=dict)
     """The slot of each group's copy from before the step."""
-    update: list[tuple[Tensor, int, list[_Sample]]] = field(default_factory=list)
+    update: list[tuple[Tensor, int, list[Sample]]] = field(default_factory=list)
     """The latest step's norms, one tensor per group with the row of the update's, not yet
     closed."""
 
@@ -379,10 +118,10 @@ def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     return tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
-def _held(layout: _Layout, optimizer: torch.optim.Optimizer) -> dict[_Group, list[_Sample]]:
+def _held(layout: Layout, optimizer: torch.optim.Optimizer) -> dict[Group, list[Sample]]:
     """The samples of the parameters ``optimizer`` holds, by group."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    out: dict[_Group, list[_Sample]] = {}
+    out: dict[Group, list[Sample]] = {}
     for found in layout.samples:
         if found is not None and id(found[0].param) in held:
             out.setdefault(found[1], []).append(found[0])
@@ -407,13 +146,13 @@ class UpdateWatch:
         self._every = every
         self._guard = guard
         self._index = {id(p.row): i for i, p in enumerate(params)}
-        self._layout: _Layout | None = None  # built when first needed
+        self._layout: Layout | None = None  # built when first needed
         self._plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan] = (
             weakref.WeakKeyDictionary())
         self._updated: list[_Plan] = []  # plans with an update not yet closed, oldest first
         self._handles: list[RemovableHandle] = []
-        self._weight_slots: list[tuple[slice, _Group]] = []
-        self._update_slots: list[tuple[slice, list[_Sample]]] = []
+        self._weight_slots: list[tuple[slice, Group]] = []
+        self._update_slots: list[tuple[slice, list[Sample]]] = []
 
     @property
     def entries(self) -> int:
@@ -501,11 +240,11 @@ class UpdateWatch:
                 group.refresh()
         return plan if plan.groups else None
 
-    def _build(self) -> _Layout:
+    def _build(self) -> Layout:
         """Build the layout (again): the plans made for the old one are dropped, and with them
         the copies a pre-hook kept."""
         self._plans = weakref.WeakKeyDictionary()
-        self._layout = layout = _Layout(self._params)
+        self._layout = layout = Layout(self._params)
         return layout
 
     # -- the close -----------------------------------------------------------------------------
