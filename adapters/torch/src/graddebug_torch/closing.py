@@ -18,7 +18,7 @@ from torch import Tensor
 
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import keep_label
-from graddebug.records import Event, EventKind, Kind, Record, sums_record
+from graddebug.records import Event, EventKind, Kind, Record
 from graddebug_torch.captures import (
     Capture,
     ForwardChecks,
@@ -29,13 +29,14 @@ from graddebug_torch.captures import (
 )
 from graddebug_torch.distributed import GlobalStats, OnBug, nonfinite_flags, row_values, whole
 from graddebug_torch.params import ParamRow
+from graddebug_torch.rows import activation_row, param_record
 from graddebug_torch.staging import GroupStats, SmallGrads, StagedGroup
 from graddebug_torch.stats import param_norms, stack_scalars, sum_and_absmax, unit_summary
 from graddebug_torch.updates import UpdateWatch
 
 __all__ = ["gather"]
 
-_ACTIVATION, _PARAMETER = Kind.ACTIVATION.value, Kind.PARAMETER.value  # Enum.value is slow
+_PARAMETER = Kind.PARAMETER.value  # Enum.value is slow
 _NO_SLOT = slice(0, 0)
 
 
@@ -220,7 +221,7 @@ class _Activations:
             repeated = repeats.get(key) if repeats else None
             if repeated is None:  # the usual output, called once
                 sq, total, top, pre_sq, alive = self._values(first)
-                records.append(_activation_row(step, key, depth, first, first.numel, sq, total,
+                records.append(activation_row(step, key, depth, first, first.numel, sq, total,
                                                top, pre_sq, alive, first.sentinel))
             else:
                 records.append(self._repeated_row(
@@ -262,7 +263,7 @@ class _Activations:
             if c_pre is not None:
                 pre_sum += c_pre
                 pre = True
-        return _activation_row(step, key, depth, calls[0], sum(c.numel for c in calls), sq,
+        return activation_row(step, key, depth, calls[0], sum(c.numel for c in calls), sq,
                                total, absmax, pre_sum if pre else None, pooled_live,
                                any(c.sentinel for c in calls))
 
@@ -352,13 +353,13 @@ class _Parameters:
                 if not math.isfinite(norm):
                     broken.append((p, grad, norm, extra, (weight, update)))
                     continue
-                records.append(_param_record(step, p, grad, norm, extra, (weight, update),
+                records.append(param_record(step, p, grad, norm, extra, (weight, update),
                                              (False, False)))
                 continue
             norm = next(local_norms)
             if full or not math.isfinite(norm) or grad.is_sparse:
                 extra = batch[self._full_slots[id(p)]] if full else None
-                records.append(_param_record(step, p, _dense(grad), norm, extra,
+                records.append(param_record(step, p, _dense(grad), norm, extra,
                                              (weight, update)))
             else:  # the usual row, built inline: a large model has tens of thousands a step
                 records.append(new_row(Record, (
@@ -368,7 +369,7 @@ class _Parameters:
         if broken:  # every rank sees the same combined norms, so all of them come here together
             flags = nonfinite_flags([g for _, g, _, _, _ in broken], self._on_bug)
             for (p, grad, norm, extra, weights), pair in zip(broken, flags, strict=True):
-                records.append(_param_record(step, p, grad, norm, extra, weights, pair))
+                records.append(param_record(step, p, grad, norm, extra, weights, pair))
 
     def missing(self, step: int, result: StepResult) -> None:
         """Add a ``no_grad`` event per parameter that got no gradient; keep the gradients
@@ -418,49 +419,6 @@ def _per_unit(c: Capture, staged: dict[StagedGroup, GroupStats]) -> Tensor:
         return per_unit[c.row]
     assert c.extremes is not None
     return torch.maximum(c.extremes[0], c.extremes[1].neg())
-
-
-def _activation_row(step: int, key: Key, depth: int, first: Capture, numel: int, sq: float,
-                    total: float, absmax: float, pre_sq: float | None, live: float | None,
-                    sentinel: bool) -> Record:
-    """The row of an output from its summed statistics (``first`` gives the shape and the
-    units)."""
-    if sentinel:
-        # Squares are never negative, so the sum of squares is NaN exactly when an entry is;
-        # it is Inf for an Inf entry or for finite entries whose squares overflow, which the
-        # sum tells apart (it stays finite for the latter).
-        nan = math.isnan(sq)
-        inf = not nan and math.isinf(sq) and not math.isfinite(total)
-        absmax, live = math.nan, None
-    else:
-        nan, inf = math.isnan(absmax), math.isinf(absmax)
-    units = first.n_units
-    return sums_record(
-        step, key[0], key[1], _ACTIVATION, depth, first.shape, numel,
-        math.sqrt(sq) if sq >= 0 else math.nan, total, absmax,
-        (units - live) / units if live is not None and units else math.nan, nan, inf,
-        math.sqrt(pre_sq) if pre_sq is not None else math.nan)
-
-
-def _param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
-                  extra: list[float] | None, weights: tuple[float, float],
-                  flags: tuple[bool, bool] | None = None) -> Record:
-    """A parameter's row. ``grad`` gives the shape and size (a sharded gradient's are those
-    of the whole parameter); ``weights`` are its ``(weight_norm, update_norm)``; ``flags`` are
-    its ``(nan, inf)`` where the caller knows them."""
-    nan, inf = flags if flags is not None else (False, False)
-    if flags is None and not math.isfinite(norm):
-        # Rare: a second sync, only for a gradient already known to be broken.
-        nan = bool(torch.isnan(grad).any())
-        inf = bool(torch.isinf(grad).any())
-    if extra is None:  # param_stats="norm": no mean, std or absmax to derive
-        return tuple.__new__(Record, (
-            step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape), grad.numel(),
-            norm, math.nan, math.nan, math.nan, math.nan, nan, inf and not nan, math.nan, 0,
-            *weights, math.nan))
-    return sums_record(step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
-                       grad.numel(), norm, extra[0], extra[1], math.nan, nan, inf, math.nan, 0,
-                       *weights)
 
 
 def _ignore(exc: BaseException, where: str) -> None:
