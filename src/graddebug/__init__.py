@@ -39,7 +39,8 @@ from graddebug.plugins import get_plugin_manager
 from graddebug.records import Finding, Issue, Severity
 
 if TYPE_CHECKING:
-    from graddebug.capture.watcher import Watcher, watch
+    from graddebug.capture.factory import watch
+    from graddebug.capture.watcher import Watcher
     from graddebug.integrations.check import check
     from graddebug.report.load import load
     from graddebug.report.report import Report
@@ -64,7 +65,7 @@ def __getattr__(name: str) -> object:
     elif name == "Watcher":
         from graddebug.capture.watcher import Watcher as value
     elif name == "watch":
-        from graddebug.capture.watcher import watch as value
+        from graddebug.capture.factory import watch as value
     else:
         raise AttributeError(f"module 'graddebug' has no attribute {name!r}")
     globals()[name] = value
