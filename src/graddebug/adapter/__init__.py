@@ -2,8 +2,9 @@
 
 :mod:`~graddebug.adapter.protocol` holds the protocol every adapter implements, the capability
 protocols of what only some frameworks can do, and the two sides of the Watcher that adapters
-and training callbacks see; :mod:`~graddebug.adapter.base` holds the bookkeeping every adapter
-shares. The README's "Writing an adapter" walks through a complete one.
+and training callbacks see; :mod:`~graddebug.adapter.options` holds :class:`WatchOptions`, the
+options of ``watch`` documented once; :mod:`~graddebug.adapter.base` holds the bookkeeping
+every adapter shares. The README's "Writing an adapter" walks through a complete one.
 
 An adapter imports this package, :mod:`graddebug.capture.layers`, :mod:`graddebug.records`, the
 errors and the integration helpers, and nothing else of the core.
@@ -12,6 +13,7 @@ errors and the integration helpers, and nothing else of the core.
 from __future__ import annotations
 
 from graddebug.adapter.base import BaseAdapter
+from graddebug.adapter.options import WatchOptions
 from graddebug.adapter.protocol import (
     Adapter,
     AdapterFactory,
@@ -27,7 +29,6 @@ from graddebug.adapter.protocol import (
     StepResult,
     Training,
     WatchContext,
-    WatchOptions,
 )
 
 __all__ = [

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
-from graddebug.adapter.protocol import WatchContext, WatchOptions
+from graddebug.adapter.options import WatchOptions
+from graddebug.adapter.protocol import WatchContext
 from graddebug.capture.layers import FailOpen, Intervention, LayerSpec
 
 __all__ = ["BaseAdapter"]

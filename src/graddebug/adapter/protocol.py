@@ -23,21 +23,18 @@ Watcher itself, and the user's Watcher shows neither's hook-facing members.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from graddebug.adapter.options import WatchOptions
 from graddebug.capture.layers import Intervention
-from graddebug.config import Thresholds
 from graddebug.records import FINDING_DTYPES, Event, Finding, Record
 
 if TYPE_CHECKING:
     import pandas as pd
-    import pluggy
 
 __all__ = [
     "Adapter",
@@ -54,105 +51,7 @@ __all__ = [
     "StepResult",
     "Training",
     "WatchContext",
-    "WatchOptions",
 ]
-
-
-@dataclass(frozen=True)
-class WatchOptions:
-    """The options of ``graddebug.watch`` (and of :class:`~graddebug.capture.watcher.Watcher`),
-    validated by the core and read by the Watcher and its adapter. This docstring is where the
-    options are documented; ``watch``, the README and the callbacks that take watch options
-    point here.
-
-    Attributes:
-        params: ``{"W": W, ...}``: tensors (torch) or variables (TF) recorded as parameters,
-            for code without a model; None with a model.
-        layers: Names, globs (``"encoder.*"``) or layer types to capture; None for the default
-            (every leaf module and every module that owns parameters in torch, every leaf
-            layer in Keras). With ``ops=True`` it also takes op-site names or globs, kept in
-            :attr:`op_sites`.
-        keep: Layer or tap names whose full gradients are kept as dense numpy arrays
-            (``dbg.tensors(step)``); bfloat16 and float16 gradients as float32.
-        keep_steps: How many recorded steps of ``keep=`` gradients are held, the latest (10);
-            None holds every step. A warning fires once they pass 1 GiB.
-        intervene: ``{name: {"clip_norm": 1.0, "clip_value":, "mask":, "scale":}}``: changes to
-            the gradient at a layer output or tap, by name, applied in flight in the order
-            mask, scale, clip by value, clip by norm; the rows record ``pre_norm`` too.
-        every: Record one step in ``every`` (steps 0, every, 2*every, ...); interventions act
-            on every step.
-        outputs: Capture the gradient at layer outputs (False records parameters only, the
-            cheapest mode).
-        param_stats: ``"norm"`` (default) computes only the norm of parameter gradients (one
-            fused pass); ``"full"`` adds mean, std and absmax.
-        optimizer: The user's optimizer. torch: each of its steps closes a graddebug step, so
-            the loop needs no ``dbg.step()``. Keras: the gradients it applies are recorded, so
-            ``dbg.step()`` needs none.
-        scaler: The loss scaler of mixed-precision training (``torch.amp.GradScaler``), or
-            None: statistics are divided by its scale, and the steps it skips on overflow are
-            marked (``skipped_step`` events, an ``overflow`` finding), not taken for NaN
-            faults. Keras needs none: a ``LossScaleOptimizer`` is found through the model's or
-            ``optimizer=``'s optimizer.
-        thresholds: The diagnoses' thresholds (given as a :class:`graddebug.Thresholds` or a
-            dict of overrides).
-        strict: Raise on a bug inside a graddebug hook instead of recording it as an
-            ``internal_error`` finding.
-        log_dir: A new (or empty) directory to stream the run to while it trains (Parquet
-            parts and a JSON file; :func:`graddebug.load` reads it, also after a crash). Only
-            rows not yet written stay in memory; ``frame()`` reads the run back.
-        flush_every: With ``log_dir``, write a part every this many recorded steps (and at
-            least every 30 s).
-        plugin_manager: The pluggy manager whose adapters and detectors serve the Watcher;
-            None for the process-wide one (built-in plugins and installed entry points).
-        tensorboard: A directory to stream TensorBoard event files to while it trains
-            (per-tensor norms as scalars, norms over layers as histograms); needs
-            ``pip install graddebug[tensorboard]``.
-        ops: Op-level capture on every recorded step: the operation and source line behind
-            NaN/Inf and cut graphs (the ``source`` column of ``nonfinite`` and ``cut_graph``
-            findings); torch also records the gradient at the output of every operation of the
-            forward pass (rows of kind ``"op"``, ``tensor`` the op site
-            ``<layer>.<op>@<file>:<line>``). ``layers=``, ``keep=`` and ``intervene=`` then
-            also take op-site names or globs (``"block.torch.log@*"``).
-        escalate: Op-level capture for one recorded step only, the one after a layer-level
-            ``nonfinite`` or ``cut_graph`` finding (once per issue and layer;
-            :attr:`WatchContext.capture_ops` says when), so that a recurring problem gets its
-            source line without paying for ``ops=True`` on every step.
-        full_stats_every: One recorded step in this many (10) measures the per-unit extremes
-            of layer-output gradients (``absmax``, ``zero_frac``); so do the step after a
-            NaN/Inf or a 10x jump in a layer output's norm, and every recorded step when
-            ``every`` > 1. The others leave those two columns NaN; 1 measures everything on
-            every recorded step. See :mod:`graddebug.capture.tiers` (the Watcher decides,
-            :attr:`WatchContext.full_stats` tells the adapter).
-        op_sites: The op-site names or globs that ``layers=`` asks for, besides its layers
-            (derived from ``layers=``, not an option of its own).
-    """
-
-    layers: Sequence[Any] | None = None
-    keep: frozenset[str] = frozenset()
-    intervene: Mapping[str, Intervention] = field(default_factory=dict)
-    outputs: bool = True
-    param_stats: Literal["norm", "full"] = "norm"
-    optimizer: Any = None
-    every: int = 1
-    scaler: Any = None
-    ops: bool = False
-    escalate: bool = False
-    op_sites: frozenset[str] = frozenset()
-    full_stats_every: int = 10
-    params: Mapping[str, Any] | None = None
-    keep_steps: int | None = 10
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    strict: bool = False
-    log_dir: str | os.PathLike[str] | None = None
-    flush_every: int = 100
-    plugin_manager: pluggy.PluginManager | None = None
-    tensorboard: Path | None = None
-
-    @property
-    def named(self) -> set[str]:
-        """The names that ``keep=`` and ``intervene=`` ask for, and the op sites ``layers=``
-        asks for: each must match something by the end of the run."""
-        return set(self.keep) | set(self.intervene) | set(self.op_sites)
 
 
 @dataclass(frozen=True)
