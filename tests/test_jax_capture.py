@@ -100,16 +100,18 @@ def test_no_observer_effect_weights_bitwise_identical_after_10_steps():
         assert np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))
 
 
-def test_jit_traces_once_and_one_transfer_per_source_per_step():
+def test_jit_traces_once_and_one_transfer_per_step():
     model, x = MLP([4, 8, 8, 3]), batch()
     tx = graddebug_jax.monitor(optax.adam(1e-3))
     with graddebug.watch(model, optimizer=tx) as dbg:
         traces = train(model, tx, x, 5, dbg)
         transfers = dbg.adapter.transfers
     assert len(traces) == 1
-    # One batch from the backward pass (all layer outputs), one from the optimizer update.
-    assert transfers == 2 * 5
-    assert dbg.frame()["step"].nunique() == 5
+    # The optimizer update carries the backward pass's layer rows with its own.
+    assert transfers == 5
+    frame = dbg.frame()
+    assert frame["step"].nunique() == 5
+    assert (frame.groupby("step")["kind"].apply(set) == {"activation", "parameter", "loss"}).all()
 
 
 def test_taps_alone_cost_one_transfer_per_step_under_jit():

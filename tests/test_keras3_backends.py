@@ -174,6 +174,22 @@ if backend == "torch":  # the optimizer's view and the loss row, from Keras's ap
                         for r in rows[rows["kind"] == "parameter"].itertuples()}
     out["wide_loss_row"] = rows.loc[rows["kind"] == "loss", "mean"].tolist()
 
+if backend == "jax":  # the loss row of each batch, carried with the step's one transfer
+    (w1, b1), (w2, b2), (w3, b3) = [(w.astype(float), b.astype(float)) for w, b in weights]
+    h = 1 / (1 + np.exp(-(np.tanh(x[:3] @ w1 + b1) @ w2 + b2)))
+    out["jax_loss0"] = float(np.mean((h @ w3 + b3 - y[:3]) ** 2))  # batch 0, by hand
+    twin = mlp()
+    out["jax_keras_losses"] = [float(twin.train_on_batch(x[i:i + 3], y[i:i + 3]))
+                               for i in (0, 3)]
+    model = mlp()
+    with graddebug.watch(model) as dbg:
+        model.fit(x, y, batch_size=3, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[dbg.callback()])
+        out["jax_transfers"] = dbg.adapter.transfers
+    rows = dbg.frame()
+    out["jax_loss_rows"] = rows.loc[rows["kind"] == "loss", ["step", "mean"]].values.tolist()
+    out["jax_steps"] = sorted(set(rows["step"].tolist()))
+
 rng = np.random.RandomState(0)
 xs, ys = rng.randn(64, 4).astype("float32"), rng.randn(64, 1).astype("float32")
 keras.utils.set_random_seed(0)
@@ -363,6 +379,20 @@ def test_on_torch_fit_records_the_weights_the_update_and_the_loss_of_each_batch(
 
 
 @pytest.mark.slow
+def test_on_jax_fit_records_the_loss_of_each_batch_in_the_one_transfer_of_its_step():
+    got = child("jax")
+    assert got["jax_steps"] == [0, 1]
+    assert got["jax_transfers"] == 2  # one per step: the update carries the loss and the rows
+    # each batch's loss at the weights before its update: Keras's own train_on_batch on a
+    # twin model, and for the first batch a numpy forward pass
+    losses = [loss for _, loss in got["jax_loss_rows"]]
+    assert [step for step, _ in got["jax_loss_rows"]] == [0, 1]
+    assert losses == pytest.approx(got["jax_keras_losses"], rel=1e-6)
+    assert losses[0] == pytest.approx(got["jax_loss0"], rel=1e-5)
+    assert losses[0] != pytest.approx(losses[1], rel=1e-3)  # two batches, two values
+
+
+@pytest.mark.slow
 def test_the_three_backends_record_the_same_norms():
     tf_run, torch_run, jax_run = (child(b)["fit"] for b in BACKENDS)
     assert set(tf_run) == set(torch_run) == set(jax_run)
@@ -376,9 +406,8 @@ def test_the_three_backends_record_the_same_norms():
 def test_a_deep_sigmoid_stack_vanishes_and_a_healthy_relu_net_has_no_finding(backend):
     got = child(backend)
     assert "vanishing" in got["sigmoid_issues"]
-    # the torch backend's callback records each batch's loss too
-    assert got["sigmoid_kinds"] == (["activation", "loss", "parameter"] if backend == "torch"
-                                    else ["activation", "parameter"])
+    # the callback records each batch's loss too
+    assert got["sigmoid_kinds"] == ["activation", "loss", "parameter"]
     assert got["healthy_steps"] == 5
     assert got["healthy_findings"] == []
     assert got["fit_findings"] == []

@@ -4,11 +4,13 @@ and optax optimizers wrapped by :func:`graddebug_jax.monitor`.
 On attach it labels the watched modules and wraps their classes' ``__call__``
 (:mod:`.modules`); each output then passes through a ``jax.custom_vjp`` identity whose backward
 rule measures (and may alter) the cotangent (:mod:`.sites`). The statistics are computed inside
-the traced computation, eager or under ``jax.jit``/``nnx.jit``, and cross to the host in one
-callback per backward pass and one per optimizer update; :mod:`.closing` turns them into
-records when ``dbg.step()`` closes the step. Parameter gradients come from the optax monitor
-(``watch(optimizer=tx)``: the gradients, the weights and the applied updates) or from
-``dbg.step(grads)`` (a pytree of gradients, one compiled reduction and one transfer).
+the traced computation, eager or under ``jax.jit``/``nnx.jit``, and cross to the host once
+per recorded step (:mod:`.outlet`): under jit in one callback carried by the optax monitor's
+update, or by the backward pass where no monitor is bound; eager in one fetch when the step
+closes. :mod:`.closing` turns them into records when ``dbg.step()`` closes the step. Parameter
+gradients come from the optax monitor (``watch(optimizer=tx)``: the gradients, the weights and
+the applied updates) or from ``dbg.step(grads)`` (a pytree of gradients, one compiled
+reduction fetched with the step's other parcels).
 
 No optimizer step closes a graddebug step: the update runs inside a compiled function, where
 calling back into the Watcher would run it on the runtime's thread in the middle of the user's
@@ -32,6 +34,7 @@ from graddebug.errors import ConfigError, GradDebugError, GradientCountError
 from graddebug_jax.closing import StepRows, given_rows
 from graddebug_jax.modules import ModelIndex, floating_leaves, patch_calls, path_name
 from graddebug_jax.optax_monitor import monitor_of
+from graddebug_jax.outlet import Outlet, Parcel
 from graddebug_jax.sites import Chains, check_inputs, probe
 
 __all__ = ["JaxAdapter", "JaxTaps"]
@@ -46,11 +49,12 @@ _KEEPS_FINITE: tuple[type, ...] = (nnx.Dropout,)
 class JaxTaps(BaseAdapter):
     """What every adapter that records through JAX's identities shares (this one, and Keras
     on the JAX backend): ``dbg.tap``, the pending check and the check of the model's inputs.
-    Subclasses set ``_chains``, ``_rows`` and ``_tapper`` (who taps, for the error of a wrong
-    tensor)."""
+    Subclasses set ``_chains``, ``_rows``, ``_outlet`` and ``_tapper`` (who taps, for the
+    error of a wrong tensor)."""
 
     _chains: Chains
     _rows: StepRows
+    _outlet: Outlet
     _tapper = "the JAX adapter"
 
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
@@ -63,6 +67,11 @@ class JaxTaps(BaseAdapter):
         if layer.depth < 0:
             layer.depth = self._take_depth()
         return self._chains.watch(tensor, layer, "output")
+
+    @property
+    def transfers(self) -> int:
+        """Device-to-host transfers of statistics so far (callbacks and fetches)."""
+        return self._rows.transfers
 
     def has_pending(self) -> bool:
         """Whether a backward pass or an update delivered rows since the last close (waits
@@ -79,7 +88,27 @@ class JaxTaps(BaseAdapter):
                     if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
         if floating:
             check_inputs([a for _, a in floating], [label for label, _ in floating],
-                         self._rows.add_inputs)
+                         self._rows.add_inputs, self._outlet)
+
+    def _open(self) -> None:
+        """The rows, the outlet and the chains of a new adapter."""
+        self._outlet = Outlet(self._rows.received, self._rows.hold, self._ctx.internal_error)
+        self._chains = Chains(self._rows.add_layers, self._ctx.internal_error, self._outlet)
+
+    def _settle(self) -> bool:
+        """Before a close: drop the parcels no carrier gathered. Where one was a chain, the
+        update that was to carry it runs in another compiled function: warn once, and let the
+        chains send their rows themselves from the next trace on. Returns whether one was."""
+        if not self._outlet.orphans():
+            return False
+        self._outlet.stop_carrying()
+        self._ctx.warn_once("jax-orphan", (
+            "graddebug: a backward pass was compiled apart from the optimizer update that was "
+            "to carry its layer-output rows to the host (one transfer per step); its rows are "
+            "missing until it is traced again, and from then on it sends them itself (a "
+            "second transfer per step). Put the gradient and optimizer.update in one jitted "
+            "step to keep one."))
+        return True
 
 
 class JaxAdapter(JaxTaps):
@@ -113,8 +142,9 @@ class JaxAdapter(JaxTaps):
                 "graddebug: keep= is not supported by the JAX adapter yet; the kept layers "
                 "get rows, not dense gradients."))
         self._rows = StepRows(self._name_param)
-        self._chains = Chains(self._rows.add_layers, context.internal_error)
+        self._open()
         self._patches: Any = None
+        self._param_vars: list[Any] | None = None
         self._monitors: list[Any] = []
         self._names: dict[str, tuple[str, str, int]] = {}
 
@@ -137,11 +167,17 @@ class JaxAdapter(JaxTaps):
             mon.bind(None)
         self._monitors.clear()
         self._chains.reset()
+        self._outlet.reset()
+        self._outlet.carried = self._outlet.tied = False
         self._rows.clear()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Wait for the callbacks, turn what arrived into records, add the rows of ``grads``
         (a pytree of gradients, or a list aligned with ``params=``)."""
+        if self._settle() and self._patches is not None:
+            self._patches.relabel()  # a new graph definition: nnx.jit traces again
+        if self._outlet.tied:  # the monitor's callback is done once its updates are applied
+            jax.block_until_ready(self._param_values())
         if not record:
             self._rows.pending()
             self._rows.clear()
@@ -149,13 +185,10 @@ class JaxAdapter(JaxTaps):
         if grads is not None:
             paths, leaves = self._given(grads)
             rows = given_rows(leaves, self._options.param_stats == "full")
-            self._rows.add_params(paths, [tuple(np.shape(g)) for g in leaves], rows)
+            shapes = [tuple(np.shape(g)) for g in leaves]
+            self._rows.hold(Parcel([rows], lambda values: self._rows.add_params(
+                paths, shapes, values[0])))
         return self._rows.close(step)
-
-    @property
-    def transfers(self) -> int:
-        """Batches of statistics delivered to the host so far (one transfer each)."""
-        return self._rows.transfers
 
     # -- capabilities -------------------------------------------------------------------------
 
@@ -174,7 +207,10 @@ class JaxAdapter(JaxTaps):
                 "transformation: wrap it, tx = graddebug_jax.monitor(optax.adam(1e-3)), build "
                 "the nnx.Optimizer from tx and pass optimizer=tx; or hand the gradients to "
                 "dbg.step(grads).")
-        mon.bind(self._on_update, self._options.param_stats == "full")
+        mon.bind(self._on_update, self._options.param_stats == "full", self._outlet)
+        self._outlet.carried = True
+        # The close can wait for the update's output only where it sees the parameters.
+        self._outlet.tied = self._index is not None
         if mon not in self._monitors:
             self._monitors.append(mon)
 
@@ -263,6 +299,14 @@ class JaxAdapter(JaxTaps):
         self._rows.add_params(paths, self._shapes(paths), rows)
 
     # -- parameters ---------------------------------------------------------------------
+
+    def _param_values(self) -> list[Any]:
+        """The model's parameter arrays now (NNX updates its variables in place)."""
+        if self._param_vars is None:
+            model = self._index.model if self._index is not None else None
+            self._param_vars = [] if model is None else [
+                v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
+        return [v.get_value() for v in self._param_vars]
 
     def _shapes(self, paths: list[str]) -> list[tuple[int, ...]]:
         known = self._param_shapes()

@@ -2,14 +2,15 @@
 when the step closes.
 
 Callbacks run on the runtime's thread while the user's Python goes on (JAX dispatches
-asynchronously), so a close first waits for them (``jax.effects_barrier()``, the one
-synchronisation of a step) and then reads what arrived. A batch is appended whole, so a close
-never sees half of one.
+asynchronously), so a close first waits for them (``jax.effects_barrier()``), then fetches the
+parcels held from eager code (:mod:`.outlet`) in one ``jax.device_get``, and reads what
+arrived. A batch is appended whole, under a lock, so a close never sees half of one.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 
 from graddebug.adapter import StepResult
 from graddebug.records import Event, EventKind, Kind, Record, sums_record
+from graddebug_jax.outlet import Parcel
 from graddebug_jax.sites import Site
 from graddebug_jax.stats import ACT_COLUMNS, FORWARD_NAN, PARAM_COLUMNS, param_rows
 
@@ -50,17 +52,17 @@ def _sqrt(value: float) -> float:
 _JITTED: dict[bool, Any] = {}
 
 
-def given_rows(leaves: Sequence[Any], full: bool) -> np.ndarray:
-    """The rows of gradients handed to ``dbg.step(grads)``: one compiled computation and one
-    transfer."""
+def given_rows(leaves: Sequence[Any], full: bool) -> jax.Array:
+    """The rows of gradients handed to ``dbg.step(grads)``, on the device: one compiled
+    computation, fetched with the step's other parcels."""
     fn = _JITTED.get(full)
     if fn is None:
         fn = _JITTED[full] = jax.jit(lambda xs: param_rows(xs, None, None, full))
-    return np.asarray(fn(list(leaves)))
+    return fn(list(leaves))  # type: ignore[no-any-return]
 
 
 class StepRows:
-    """What the open step's callbacks delivered, and the close that turns it into records.
+    """What the open step's parcels delivered, and the close that turns it into records.
 
     Args:
         namer: Names a parameter path.
@@ -71,46 +73,74 @@ class StepRows:
         self._layers: list[tuple[list[Site], np.ndarray]] = []
         self._params: list[_ParamBatch] = []
         self._inputs: list[tuple[str, str]] = []  # (tensor, "NaN" | "Inf") of bad inputs
+        self._held: list[Parcel] = []
+        self._lock = threading.Lock()
         self.transfers = 0
-        """Batches delivered to the host so far (each one a device-to-host transfer)."""
+        """Device-to-host transfers so far: one per callback, one per fetch of held parcels."""
 
-    # -- delivery (the runtime's thread) ----------------------------------------------------
+    # -- delivery (the runtime's thread, or the close's fetch) -------------------------------
+
+    def received(self) -> None:
+        """Count one transfer (a callback that carried parcels)."""
+        with self._lock:
+            self.transfers += 1
+
+    def hold(self, parcel: Parcel) -> None:
+        """Keep an eager parcel (device arrays) for the close's one fetch."""
+        with self._lock:
+            self._held.append(parcel)
 
     def add_layers(self, sites: list[Site], rows: np.ndarray) -> None:
         """A backward pass's chain of layer-output rows."""
-        self._layers.append((sites, rows))
-        self.transfers += 1
+        with self._lock:
+            self._layers.append((sites, rows))
 
-    def add_params(self, paths: list[str], shapes: list[tuple[int, ...]], rows: np.ndarray,
-                   transfer: bool = True) -> None:
+    def add_params(self, paths: list[str], shapes: list[tuple[int, ...]], rows: np.ndarray
+                   ) -> None:
         """An update's (or ``dbg.step(grads)``'s) parameter rows."""
-        self._params.append(_ParamBatch(paths, shapes, rows))
-        self.transfers += int(transfer)
+        with self._lock:
+            self._params.append(_ParamBatch(paths, shapes, rows))
 
     def add_inputs(self, labels: Sequence[str], codes: np.ndarray) -> None:
-        """The model's inputs of a forward pass in which one held NaN or Inf: each input's
-        :func:`~.stats.forward_code`, aligned with ``labels`` (``args.0``, ``kwargs.x``)."""
-        self.transfers += 1
+        """The :func:`~.stats.forward_code` of each of the model's inputs in one forward pass,
+        aligned with ``labels`` (``args.0``, ``kwargs.x``): a non-zero one is an event."""
         for label, code in zip(labels, np.asarray(codes).ravel(), strict=True):
             if code > 0:
-                self._inputs.append((label, "NaN" if code == FORWARD_NAN else "Inf"))
+                with self._lock:
+                    self._inputs.append((label, "NaN" if code == FORWARD_NAN else "Inf"))
+
+    def _fetch(self) -> None:
+        """Land every held parcel, fetched in one ``jax.device_get``."""
+        with self._lock:
+            held, self._held = self._held, []
+        if not held:
+            return
+        values = jax.device_get([p.arrays for p in held])
+        self.received()
+        for parcel, arrays in zip(held, values, strict=True):
+            parcel.land([np.asarray(a) for a in arrays])
 
     # -- the close (the user's thread) ------------------------------------------------------
 
     def pending(self) -> bool:
-        """Whether anything arrived since the last close (after waiting for the callbacks)."""
+        """Whether gradient rows arrived, or wait on the device, since the last close (after
+        waiting for the callbacks in flight)."""
         jax.effects_barrier()
-        return bool(self._layers or self._params)
+        with self._lock:
+            return bool(self._layers or self._params or any(p.rows for p in self._held))
 
     def clear(self) -> None:
-        """Drop what arrived (detach, or a step ``every=`` skips)."""
-        self._layers, self._params, self._inputs = [], [], []
+        """Drop what arrived and what is held (detach, or a step ``every=`` skips)."""
+        with self._lock:
+            self._layers, self._params, self._inputs, self._held = [], [], [], []
 
     def close(self, step: int) -> StepResult:
-        """The records and events of everything that arrived; then clear."""
+        """The records and events of everything that arrived or was held; then clear."""
         jax.effects_barrier()
-        layers, params, inputs = self._layers, self._params, self._inputs
-        self.clear()
+        self._fetch()
+        with self._lock:
+            layers, params, inputs = self._layers, self._params, self._inputs
+            self._layers, self._params, self._inputs = [], [], []
         result = StepResult()
         for tensor, what in dict.fromkeys(inputs):  # a forward traced twice reports once
             result.events.append(Event(step, INPUT_LAYER, tensor, -1,

@@ -25,7 +25,8 @@ from graddebug.capture.layers import select_layers
 __all__ = ["LABEL", "ModelIndex", "OutputHook", "floating_leaves", "patch_calls", "path_name"]
 
 LABEL = "_graddebug_label"
-"""The static attribute that marks a watched module: ``(watch id, layer name)``."""
+"""The static attribute that marks a watched module: ``(watch id, layer name)``, and a
+generation after :meth:`_Patches.relabel`."""
 
 OutputHook = Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 """``hook(layer_name, call, args, kwargs) -> output``: runs a watched module's ``call`` (the
@@ -115,7 +116,7 @@ class ModelIndex:
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        label: tuple[int, str] | None = getattr(self, LABEL, None)
+        label: tuple[Any, ...] | None = getattr(self, LABEL, None)
         hook = _HOOKS.get(label[0]) if label is not None else None
         inside: set[int] = getattr(_INSIDE, "ids", None) or set()
         if label is None or hook is None or id(self) in inside:  # or a wrapped super() call
@@ -143,6 +144,7 @@ class _Patches:
         self._id = watch_id
         self._modules = dict(modules)
         self._classes: list[type] = []
+        self._generation = 0
 
     def install(self, hook: OutputHook) -> None:
         with _LOCK:
@@ -157,6 +159,14 @@ class _Patches:
                     type.__setattr__(cls, "__call__", _wrap(original))
                 _PATCHED[cls] = (original, users + 1)
                 self._classes.append(cls)
+
+    def relabel(self) -> None:
+        """Give every label a new generation: the graph definitions change, so compiled
+        steps trace once more (and see what changed on the host side)."""
+        with _LOCK:
+            self._generation += 1
+            for name, module in self._modules.items():
+                setattr(module, LABEL, (self._id, name, self._generation))
 
     def remove(self) -> None:
         with _LOCK:

@@ -5,8 +5,10 @@ nothing.
 It wraps ``inner`` as optax's own wrappers do (``optax.apply_if_finite``,
 ``optax.MultiSteps``): its state is ``inner``'s state, unchanged, so checkpoints load with and
 without it. Bind it to a Watcher with ``graddebug.watch(model, optimizer=tx)``; unbound, it
-measures nothing. Its statistics are computed inside the compiled step and reach the host in
-one ``jax.debug.callback`` per update (see :mod:`.sites` for the choice of callback).
+measures nothing. Its statistics are computed inside the compiled step; bound, its update
+is the step's carrier (:mod:`.outlet`): the parameter rows and every parcel waiting in the
+same trace (the backward pass's layer-output rows, the input check) reach the host in one
+callback per update.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import optax
 
 from graddebug_jax.modules import path_name
+from graddebug_jax.outlet import Outlet, Parcel
 from graddebug_jax.stats import param_rows
 
 __all__ = ["Monitor", "monitor", "monitor_of"]
@@ -39,11 +42,18 @@ class Monitor:
         self.inner = optax.with_extra_args_support(inner)
         self.sink: ParamSink | None = None
         self.full = False
+        self.outlet: Outlet | None = None
 
-    def bind(self, sink: ParamSink | None, full: bool = False) -> None:
-        """Report to ``sink`` from now on (None: to nobody); ``full`` also measures each
-        gradient's mean and absolute maximum."""
-        self.sink, self.full = sink, full
+    def bind(self, sink: ParamSink | None, full: bool = False, outlet: Outlet | None = None
+             ) -> None:
+        """Report to ``sink`` from now on (None: to nobody), through ``outlet``; ``full``
+        also measures each gradient's mean and absolute maximum."""
+        self.sink, self.full, self.outlet = sink, full, outlet
+
+    def _land(self, paths: list[str], values: Any) -> None:
+        sink = self.sink  # read when the step runs: one compiled step serves any binding
+        if sink is not None:
+            sink(paths, np.asarray(values))
 
     def init(self, params: Any) -> Any:
         """``inner``'s state."""
@@ -51,7 +61,8 @@ class Monitor:
 
     def update(self, updates: Any, state: Any, params: Any = None, **extra: Any
                ) -> tuple[Any, Any]:
-        """``inner``'s update, unchanged, plus one callback carrying every parameter's row."""
+        """``inner``'s update, bit for bit, plus one callback carrying every parameter's row
+        and the parcels waiting in the trace."""
         new_updates, new_state = self.inner.update(updates, state, params, **extra)
         with_paths, _ = jax.tree_util.tree_flatten_with_path(updates)
         paths = [path_name(path) for path, _ in with_paths]
@@ -63,13 +74,12 @@ class Monitor:
         rows = param_rows(grads, applied if len(applied) == len(grads) else None, weights,
                           self.full)
 
-        def deliver(values: Any) -> None:
-            sink = self.sink  # read when the step runs: one compiled step serves any binding
-            if sink is not None:
-                sink(paths, np.asarray(values))
-
-        jax.debug.callback(deliver, rows)
-        return new_updates, new_state
+        outlet = self.outlet
+        if outlet is None:  # traced unbound: a later binding still hears of it
+            jax.debug.callback(lambda values: self._land(paths, values), rows)
+            return new_updates, new_state
+        parcel = Parcel([rows], lambda values: self._land(paths, values[0]))
+        return new_updates, outlet.gather(parcel, new_state)
 
 
 def monitor(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

@@ -6,23 +6,20 @@ of zeros threaded through the identities of one trace in forward order, and retu
 unchanged. In the backward pass the token's cotangent flows through the same identities in
 reverse: each writes its row (:func:`~.stats.activation_row`) into its slot and passes the
 token's cotangent on. The first identity of the chain, whose token input is a constant, is its
-*sink*: its backward rule hands the whole chain's rows to the host in one callback. So a
-backward pass costs one host transfer, however many layers it crosses.
+*sink*: its backward rule hands the whole chain's rows to the :class:`~.outlet.Outlet`, which
+sends them to the host with the step's other statistics (the optimizer update's), or alone
+where no update follows in the same trace. So a backward pass costs one host transfer at most,
+however many layers it crosses.
 
 The identities use ``symbolic_zeros=True``: the forward rule learns whether the array needs a
 gradient at all (an output behind ``jax.lax.stop_gradient`` does not), and the backward rule
 learns whether any cotangent reached it (a symbolic zero means the graph is cut downstream of
 it), which are the cut-graph events.
 
-How the rows reach the host. Returning them through the step's outputs would need the user's
-step to return them, which a one-line watch cannot ask; so a callback carries them. Measured on
-the shared 2-core CPU (``jax.jit(jax.grad(f))`` with 8 taps on 64x256 arrays, median of 200
-steps, two runs): plain 6.0-7.6 ms a step; one ``jax.debug.callback`` per chain 11.7-11.8 ms;
-one per tap (``CAPACITY = 1``) 12.8-14.4 ms. Most of the difference to plain is the reductions
-themselves, the callbacks' share about 0.15-0.3 ms each. ``io_callback(ordered=True)`` was not
-measured: ordering threads a token through the compiled program and serialises the callbacks,
-which a statistics read does not need. The chain uses one unordered ``jax.debug.callback``;
-``Watcher.step()`` waits for it with ``jax.effects_barrier()``.
+How the rows reach the host: see :mod:`.outlet`. Measured on the shared 2-core CPU
+(``jax.jit(jax.grad(f))`` with 8 taps on 64x256 arrays, median of 200 steps, two runs): plain
+6.0-7.6 ms a step; one ``jax.debug.callback`` per chain 11.7-11.8 ms; one per tap
+(``CAPACITY = 1``) 12.8-14.4 ms. Most of the difference to plain is the reductions themselves.
 """
 
 from __future__ import annotations
@@ -38,6 +35,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from graddebug.capture.layers import Intervention, LayerSpec, intervene_fail_open
+from graddebug_jax.outlet import Outlet, Parcel
 from graddebug_jax.stats import ACT_COLUMNS, activation_row, forward_code
 
 __all__ = ["CAPACITY", "Chains", "Site", "apply_intervention", "check_inputs", "probe"]
@@ -96,23 +94,13 @@ def apply_intervention(grad: jax.Array, spec: Intervention) -> jax.Array:
 
 
 def check_inputs(arrays: Sequence[jax.Array], labels: Sequence[str],
-                 deliver: Callable[[Sequence[str], np.ndarray], None]) -> None:
-    """Check the model's floating inputs for NaN/Inf in the forward pass, inside the trace.
-
-    Each array's :func:`~.stats.forward_code` is computed on the device, and only when one is
-    non-zero does a ``jax.debug.callback`` (under ``lax.cond``) hand the codes to ``deliver``
-    with ``labels``: a healthy step pays for the reductions and no transfer.
-    """
+                 deliver: Callable[[Sequence[str], np.ndarray], None], outlet: Outlet) -> None:
+    """Check the model's floating inputs for NaN/Inf in the forward pass, inside the trace:
+    each array's :func:`~.stats.forward_code` (one reduction), posted to ``outlet`` as a parcel
+    that travels with the step's other statistics and reaches ``deliver`` with ``labels``."""
     codes = jnp.stack([forward_code(a) for a in arrays])
     names = list(labels)
-
-    def report(found: np.ndarray) -> None:
-        deliver(names, found)
-
-    def send(found: jax.Array) -> None:
-        jax.debug.callback(report, found)
-
-    jax.lax.cond(jnp.any(codes > 0), send, lambda found: None, codes)
+    outlet.post(Parcel([codes], lambda values: deliver(names, values[0]), rows=False))
 
 
 def _fits(out: Any, grad: Any) -> bool:
@@ -134,11 +122,14 @@ class Chains:
     Args:
         deliver: Where a chain's rows go on the host.
         on_bug: Records a bug caught inside a backward rule.
+        outlet: Takes each complete chain's rows to the host (:mod:`.outlet`).
     """
 
-    def __init__(self, deliver: Deliver, on_bug: Callable[[BaseException, str], None]) -> None:
+    def __init__(self, deliver: Deliver, on_bug: Callable[[BaseException, str], None],
+                 outlet: Outlet) -> None:
         self._deliver = deliver
         self._on_bug = on_bug
+        self._outlet = outlet
         self._chain: _Chain | None = None
 
     def reset(self) -> None:
@@ -176,7 +167,7 @@ class Chains:
 
     def _identity(self, chain: _Chain, site: Site, slot: int, spec: Intervention | None,
                   check_forward: bool) -> Any:
-        deliver, on_bug, sites = self._deliver, self._on_bug, chain.sites
+        deliver, on_bug, sites, outlet = self._deliver, self._on_bug, chain.sites, self._outlet
 
         @jax.custom_vjp
         def ident(x: Any, token: Any) -> tuple[Any, Any]:
@@ -204,8 +195,8 @@ class Chains:
                 return out_x, ct_token
             # The sink: the chain's rows are complete once its first identity is reached.
             used = list(sites)
-            jax.debug.callback(lambda rows: deliver(used, np.asarray(rows)),
-                               ct_token[: len(used)])
+            outlet.sink(Parcel([ct_token[: len(used)]],
+                               lambda values: deliver(used, values[0]), chain=True))
             return out_x, None
 
         ident.defvjp(fwd, bwd, symbolic_zeros=True)

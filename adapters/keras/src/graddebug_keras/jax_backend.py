@@ -8,17 +8,19 @@ the traced computation itself, where it is compiled with the step:
 
 - each watched layer's ``call`` is wrapped on the instance: its floating outputs pass through
   the ``jax.custom_vjp`` identities of :class:`graddebug_jax.sites.Chains`, whose backward rule
-  measures the gradient at the output and hands the whole backward pass's rows to the host in
-  one ``jax.debug.callback``;
-- the model's own ``call`` checks its floating inputs for NaN/Inf, calling back to the host
-  only when one is not finite (:func:`graddebug_jax.sites.check_inputs`);
+  measures the gradient at the output and leaves the backward pass's rows in the trace;
+- the model's own ``call`` checks its floating inputs for NaN/Inf
+  (:func:`graddebug_jax.sites.check_inputs`), and its ``compute_loss`` passes the batch's loss
+  through an identity whose forward rule keeps the value (the loss row);
 - the optimizer's ``stateless_apply`` (and its eager ``apply``) is wrapped on the instance:
   it measures the gradients it is handed, the weights they were taken at and the update it
-  makes (:func:`graddebug_jax.stats.param_rows`), in one more callback.
+  makes (:func:`graddebug_jax.stats.param_rows`), and carries them with everything the trace
+  left (:mod:`graddebug_jax.outlet`) to the host in one callback: one transfer per step.
 
 Keras's compiled functions are dropped on entering and on leaving, so that the next ``fit``
 traces the wrapped (then the plain) step. The step closes at the callback's
-``on_train_batch_end`` (or ``dbg.step()``), which waits for the callbacks in flight.
+``on_train_batch_end`` (or ``dbg.step()``), which waits for the callback in flight; the
+callback then records the batch's loss.
 
 Not recorded on this backend: ``keep=`` (dense gradients), op-level capture (``ops=``,
 ``escalate=``), and parameters that get no gradient (Keras differentiates every trainable
@@ -27,6 +29,7 @@ variable, and an unreached one gets zeros, not None); one warning says so where 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,7 +43,8 @@ from graddebug.errors import ConfigError, GradDebugError, GradientCountError
 from graddebug_jax.adapter import JaxTaps
 from graddebug_jax.closing import StepRows, given_rows
 from graddebug_jax.modules import floating_leaves
-from graddebug_jax.sites import Chains, probe
+from graddebug_jax.outlet import Parcel
+from graddebug_jax.sites import probe
 from graddebug_jax.stats import param_rows
 from graddebug_keras.callback import build_callback
 from graddebug_keras.layers import KerasLayers, channels_first
@@ -68,7 +72,8 @@ class KerasJaxAdapter(JaxTaps):
         self._targets = self._add_layers(self._index.named,
                                          self._index.select(options.layers), channels_first)
         self._rows = StepRows(self._name_param)
-        self._chains = Chains(self._rows.add_layers, context.internal_error)
+        self._open()
+        self._loss: float | None = None  # the loss of the batch trained last, once landed
         self._wrapped: list[Wrapped] = []
         self._optimizers: list[Any] = []
         self._attached = False
@@ -96,6 +101,8 @@ class KerasJaxAdapter(JaxTaps):
             if self._layers[name].capture:
                 self._wrapped.append(Wrapped(layer, "call", self._wrap_call(name)))
         self._wrapped.append(Wrapped(self._index.model, "call", self._wrap_inputs))
+        if callable(getattr(self._index.model, "compute_loss", None)):
+            self._wrapped.append(Wrapped(self._index.model, "compute_loss", self._wrap_loss))
         optimizer = getattr(self._index.model, "optimizer", None)
         if optimizer is not None:
             self.take_gradients(optimizer)
@@ -110,7 +117,10 @@ class KerasJaxAdapter(JaxTaps):
         self._optimizers.clear()
         self._reset_compiled()
         self._chains.reset()
+        self._outlet.reset()
+        self._outlet.carried = self._outlet.tied = False
         self._rows.clear()
+        self._loss = None
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Wait for the callbacks, turn what arrived into records, add the rows of ``grads``
@@ -119,6 +129,8 @@ class KerasJaxAdapter(JaxTaps):
         Raises:
             GradientCountError: ``grads`` does not match the trainable variables.
         """
+        if self._settle():
+            self._reset_compiled()  # the next fit traces again, its sinks sending themselves
         if not record:
             self._rows.pending()
             self._rows.clear()
@@ -131,8 +143,10 @@ class KerasJaxAdapter(JaxTaps):
                     f"dbg.step(grads) got {len(leaves)} gradients for {len(variables)} "
                     "trainable variables; pass them in the order of model.trainable_variables.")
             rows = given_rows(leaves, self._options.param_stats == "full")
-            self._rows.add_params([str(v.path) for v in variables],
-                                  [tuple(v.shape) for v in variables], rows)
+            paths = [str(v.path) for v in variables]
+            shapes = [tuple(v.shape) for v in variables]
+            self._rows.hold(Parcel([rows], lambda values: self._rows.add_params(
+                paths, shapes, values[0])))
         return self._rows.close(step)
 
     # -- capabilities -------------------------------------------------------------------------
@@ -148,6 +162,9 @@ class KerasJaxAdapter(JaxTaps):
         if any(opt is optimizer for opt in self._optimizers):
             return
         self._optimizers.append(optimizer)
+        # Carried, not tied: fit keeps the new values in its own state until the epoch ends,
+        # so the close has no output to wait on, only the effects barrier (debug.callback).
+        self._outlet.carried = True
         self._wrapped.append(Wrapped(optimizer, "stateless_apply", self._wrap_stateless))
         self._wrapped.append(Wrapped(optimizer, "apply", self._wrap_apply))
 
@@ -186,7 +203,7 @@ class KerasJaxAdapter(JaxTaps):
         Raises:
             ConfigError: An option that is not the callback's.
         """
-        return build_callback(self._ctx, self._prepare, options)
+        return build_callback(self._ctx, self._prepare, options, loss=self._batch_loss)
 
     # -- hooks (run while Keras traces its step) ------------------------------------------
 
@@ -218,6 +235,33 @@ class KerasJaxAdapter(JaxTaps):
             return watched
 
         return wrap
+
+    def _wrap_loss(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The model's ``compute_loss``, its scalar result passed through :func:`_kept`."""
+        @functools.wraps(original)  # Keras reads its signature (a training= argument?)
+        def compute_loss(*args: Any, **kwargs: Any) -> Any:
+            loss = original(*args, **kwargs)
+            with self._fail_open("loss"):
+                if isinstance(loss, jax.Array) and loss.size == 1 and jnp.issubdtype(
+                        loss.dtype, jnp.floating):
+                    return _kept(loss, self._post_loss)
+            return loss
+
+        return compute_loss
+
+    def _post_loss(self, value: Any) -> None:
+        """A loss's value in the forward pass of a differentiated step: a parcel."""
+        def land(values: Sequence[np.ndarray]) -> None:
+            if self._attached:
+                self._loss = float(np.asarray(values[0]).reshape(()))
+
+        self._outlet.post(Parcel([value], land, rows=False))
+
+    def _batch_loss(self) -> float | None:
+        """The loss of the batch trained last (it arrived with the step's transfer), or None;
+        read once."""
+        loss, self._loss = self._loss, None
+        return loss
 
     def _wrap_inputs(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """The model's own ``call``, its floating inputs checked for NaN/Inf first."""
@@ -278,7 +322,8 @@ class KerasJaxAdapter(JaxTaps):
 
     def _measure(self, grads: list[Any], before: list[Any], after: list[Any],
                  paths: list[str] | None = None) -> None:
-        """Queue the parameter rows of one update (traced or eager) and their callback."""
+        """The parameter rows of one update (traced or eager), carried to the host with the
+        parcels the trace left (the layer-output rows, the input check, the loss)."""
         if paths is None:
             variables = self._index.model.trainable_variables
             if len(variables) != len(grads):
@@ -291,11 +336,11 @@ class KerasJaxAdapter(JaxTaps):
         updates = [a - b for a, b in zip(after, before, strict=True)]
         rows = param_rows(grads, updates, before, self._options.param_stats == "full")
 
-        def deliver(values: Any) -> None:
+        def land(values: Sequence[np.ndarray]) -> None:
             if self._attached:  # read when the step runs, not when it was traced
-                self._rows.add_params(paths, shapes, np.asarray(values))
+                self._rows.add_params(paths, shapes, values[0])
 
-        jax.debug.callback(deliver, rows)
+        self._outlet.gather(Parcel([rows], land))
 
     # -- names ----------------------------------------------------------------------------
 
@@ -318,6 +363,25 @@ class KerasJaxAdapter(JaxTaps):
         for attr in _COMPILED:
             if getattr(model, attr, None) is not None:
                 setattr(model, attr, None)
+
+
+def _kept(loss: jax.Array, post: Callable[[Any], None]) -> jax.Array:
+    """``loss`` through a ``jax.custom_vjp`` identity whose forward rule, which runs only where
+    the loss is differentiated (a train step, not an evaluation), posts the loss's value; the
+    cotangent passes unchanged."""
+    @jax.custom_vjp
+    def ident(x: Any) -> Any:
+        return x
+
+    def fwd(x: Any) -> tuple[Any, None]:
+        post(x)
+        return x, None
+
+    def bwd(_: None, ct: Any) -> tuple[Any]:
+        return (ct,)
+
+    ident.defvjp(fwd, bwd)
+    return ident(loss)  # type: ignore[no-any-return]
 
 
 def _probed(arg: Any, flags: list[list[bool]]) -> Any:
