@@ -1,0 +1,119 @@
+"""Host transfers of the JAX adapter: one per recorded step, counted, in each way a loop can
+hand graddebug its gradients (eager and jitted, with and without the optax monitor)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+optax = pytest.importorskip("optax")
+
+import graddebug  # noqa: E402
+import graddebug_jax  # noqa: E402
+from graddebug.errors import GradDebugWarning  # noqa: E402
+from jax_models import MLP, batch, square_loss  # noqa: E402
+
+STEPS = 4
+
+
+def _monitored(jit: bool):
+    """Train an MLP ``STEPS`` steps with the optax monitor; the Watcher, its transfers after
+    each step, and the number of traces."""
+    model, x = MLP([4, 8, 8, 3], seed=2), batch()
+    tx = graddebug_jax.monitor(optax.sgd(0.1, momentum=0.9))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    traces = []
+
+    def step(model, optimizer, x):
+        traces.append(1)
+        loss, grads = nnx.value_and_grad(square_loss)(model, x)
+        optimizer.update(model, grads)
+        return loss
+
+    run = nnx.jit(step) if jit else step
+    seen = []
+    with graddebug.watch(model, optimizer=tx) as dbg:
+        for _ in range(STEPS):
+            run(model, optimizer, x)
+            dbg.step()
+            seen.append(dbg.adapter.transfers)
+    return dbg, seen, len(traces)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["nnx.jit", "eager"])
+def test_the_monitor_and_the_backward_pass_cross_to_the_host_once_a_step(jit):
+    dbg, seen, traces = _monitored(jit)
+    assert seen == list(range(1, STEPS + 1))
+    assert traces == (1 if jit else STEPS)
+    kinds = dbg.frame().groupby("step")["kind"].apply(lambda k: sorted(set(k)))
+    assert all(k == ["activation", "parameter"] for k in kinds)
+
+
+def test_eager_and_jitted_steps_record_the_same_numbers():
+    jitted, _, _ = _monitored(True)
+    eager, _, _ = _monitored(False)
+    a, b = jitted.frame(), eager.frame()
+    assert list(a["layer"]) == list(b["layer"]) and list(a["tensor"]) == list(b["tensor"])
+    np.testing.assert_allclose(a["norm"], b["norm"], rtol=1e-5)
+    np.testing.assert_allclose(a["update_norm"], b["update_norm"], rtol=1e-5)
+
+
+def test_without_a_monitor_the_backward_pass_sends_its_rows_itself_once_a_step():
+    model, x = MLP([4, 8, 8, 3], seed=2), batch()
+    grad = nnx.jit(nnx.grad(square_loss))
+    with graddebug.watch(model) as dbg:
+        for i in range(STEPS):
+            grad(model, x)
+            dbg.step()
+            assert dbg.adapter.transfers == i + 1
+    # the rows of the layer outputs, against jax.grad of the loss as a function of them
+    ref = jax.grad(lambda h: square_loss(lambda _: model.layers[2](
+        model.act(h)), x))(model.layers[1](model.act(model.layers[0](x))))
+    row = dbg.frame().query("layer == 'layers.1' and step == 0").iloc[0]
+    np.testing.assert_allclose(row["norm"], np.linalg.norm(np.asarray(ref)), rtol=1e-5)
+
+
+def test_eager_gradients_handed_to_step_are_fetched_with_the_layer_rows_in_one_transfer():
+    model, x = MLP([4, 8, 3], seed=2), batch()
+    with graddebug.watch(model) as dbg:
+        for i in range(STEPS):
+            grads = nnx.grad(square_loss)(model, x)
+            dbg.step(grads)
+            assert dbg.adapter.transfers == i + 1
+    ref = nnx.grad(square_loss)(model, x)
+    rows = dbg.frame().query("kind == 'parameter' and step == 0").set_index("layer")
+    np.testing.assert_allclose(rows.query("tensor == 'kernel'").loc["layers.0", "norm"],
+                               np.linalg.norm(np.asarray(ref["layers"][0]["kernel"].get_value())),
+                               rtol=1e-5)
+
+
+def test_jitted_gradients_handed_to_step_cost_a_second_transfer():
+    # The backward pass's rows leave the compiled step in its callback; the gradients the
+    # loop hands over afterwards are reduced and fetched by the close: two crossings, which
+    # only an update inside the step (the monitor) can fold into one.
+    model, x = MLP([4, 8, 3], seed=2), batch()
+    grad = nnx.jit(nnx.grad(square_loss))
+    with graddebug.watch(model) as dbg:
+        for _ in range(STEPS):
+            dbg.step(grad(model, x))
+    assert dbg.adapter.transfers == 2 * STEPS
+    assert len(dbg.frame().query("kind == 'parameter'")) == 4 * STEPS
+
+
+def test_a_backward_pass_compiled_apart_from_the_monitor_warns_and_then_sends_its_rows():
+    model, x = MLP([4, 8, 3], seed=2), batch()
+    tx = graddebug_jax.monitor(optax.adam(1e-3))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    grad = nnx.jit(nnx.grad(square_loss))
+    update = nnx.jit(lambda optimizer, model, grads: optimizer.update(model, grads))
+    with pytest.warns(GradDebugWarning, match="compiled apart"), \
+            graddebug.watch(model, optimizer=tx) as dbg:
+        for _ in range(STEPS):
+            update(optimizer, model, grad(model, x))
+            dbg.step()
+    acts = dbg.frame().query("kind == 'activation'")
+    # the first step's layer rows are lost with its compiled function; the retrace sends them
+    assert sorted(set(acts["step"])) == list(range(1, STEPS))
+    assert len(dbg.frame().query("kind == 'parameter'")) == 4 * STEPS
