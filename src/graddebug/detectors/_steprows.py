@@ -3,6 +3,7 @@ step's records and from a loaded run's frame."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ _FIELDS = ("kind", "layer", "tensor", "depth", "numel", "norm", "zero_frac", "we
            "update_norm")
 _AT = tuple(Record._fields.index(name) for name in _FIELDS)
 _NAN_AT, _INF_AT = Record._fields.index("nan"), Record._fields.index("inf")
+_NUMERIC = ((_AT[4], np.int64), *((i, float) for i in _AT[5:]), (_NAN_AT, bool),
+            (_INF_AT, bool))
+"""numel, norm, zero_frac, weight_norm, update_norm, nan, inf: (field index, dtype)."""
 _MEAN_AT = Record._fields.index("mean")
 _KIND_AT = Record._fields.index("kind")
 _DEPTH_AT, _LAYER_AT = Record._fields.index("depth"), Record._fields.index("layer")
@@ -66,22 +70,24 @@ class StepRows:
     def from_records(cls, step: int, records: Sequence[tuple[object, ...]],
                      events: Sequence[Event]) -> StepRows:
         """Build from a step's :class:`~graddebug.records.Record` rows and events."""
-        loss, loss_finite, broken = math.nan, True, False
-        kept = []
-        for r in records:
-            kind = r[_KIND_AT]
-            if kind == _LOSS:
-                loss = float(r[_MEAN_AT])  # type: ignore[arg-type]
-                loss_finite = not (r[_NAN_AT] or r[_INF_AT])
-            elif kind != _OP:
-                broken = broken or bool(r[_NAN_AT] or r[_INF_AT])
-                kept.append(r)
-        kept.sort(key=_frame_order)  # as the record frame holds them, so a replay agrees
-        columns = list(zip(*[[r[i] for i in _AT] for r in kept], strict=True)) if kept \
-            else [() for _ in _FIELDS]
-        return cls._of(step, _arrays(columns), loss, loss_finite,
-                       broken or any(e.event in _BROKEN for e in events),
-                       any(e.event == _SKIPPED for e in events))
+        broken = any(e.event in _BROKEN for e in events)
+        skipped = any(e.event == _SKIPPED for e in events)
+        if not records:
+            return cls._of(step, _arrays([() for _ in _FIELDS]), math.nan, True, broken,
+                           skipped)
+        columns = list(zip(*records, strict=True))  # one tuple per field, made in C
+        order = _order(columns[_KIND_AT], columns[_DEPTH_AT], columns[_LAYER_AT],
+                       columns[_TENSOR_AT])
+        loss, loss_finite = math.nan, True
+        if order.loss is not None:  # the last loss row, if several
+            loss = float(columns[_MEAN_AT][order.loss])
+            loss_finite = not (columns[_NAN_AT][order.loss] or columns[_INF_AT][order.loss])
+        kept = order.kept
+        numel, norm, zero_frac, weight_norm, update_norm, nan, inf = (
+            np.asarray(columns[i], dtype=dtype)[kept] for i, dtype in _NUMERIC)
+        return cls(step, order.kind, order.layer, order.tensor, order.depth, numel, norm,
+                   zero_frac, weight_norm, update_norm, loss=loss, loss_finite=loss_finite,
+                   broken=broken or bool(nan.any() or inf.any()), skipped=skipped)
 
     @classmethod
     def _of(cls, step: int, arrays: list[np.ndarray], loss: float, loss_finite: bool,
@@ -110,13 +116,47 @@ class StepRows:
                        loss_finite, broken, bool((events == _SKIPPED).any()))
 
 
-def _frame_order(r: tuple[object, ...]) -> tuple[int, float, str, str]:
-    """The order of a step's rows in the record frame: activations first, then parameters;
-    each in forward order, unknown depths last."""
-    depth = r[_DEPTH_AT]
-    return (0 if r[_KIND_AT] == _ACTIVATION else 1,
-            depth if depth >= 0 else math.inf,  # type: ignore[operator]
-            r[_LAYER_AT], r[_TENSOR_AT])  # type: ignore[return-value]
+@dataclass(frozen=True)
+class _Order:
+    """Where a step's gradient rows go, for one sequence of (kind, depth, layer, tensor).
+
+    Attributes:
+        kept: The indices of the gradient rows (no loss or op row), in frame order.
+        loss: The index of the last loss row; None where there is none.
+        kind, layer, tensor, depth: The kept rows' columns (read-only arrays).
+    """
+
+    kept: np.ndarray
+    loss: int | None
+    kind: np.ndarray
+    layer: np.ndarray
+    tensor: np.ndarray
+    depth: np.ndarray
+
+
+@functools.lru_cache(maxsize=8)
+def _order(kind: tuple[object, ...], depth: tuple[object, ...], layer: tuple[object, ...],
+           tensor: tuple[object, ...]) -> _Order:
+    """The frame order of a step's rows: activations first, then parameters; each in forward
+    order, unknown depths last. Cached: a run's steps repeat one sequence of rows, and sorting
+    it is a third of the cost of building a step's arrays (11 us of 48 for 64 rows)."""
+    def frame_order(i: int) -> tuple[int, float, str, str]:
+        d = depth[i]
+        return (0 if kind[i] == _ACTIVATION else 1,
+                d if d >= 0 else math.inf,  # type: ignore[operator]
+                layer[i], tensor[i])  # type: ignore[return-value]
+
+    kept = sorted((i for i, k in enumerate(kind) if k not in (_LOSS, _OP)), key=frame_order)
+    losses = [i for i, k in enumerate(kind) if k == _LOSS]
+    at = np.asarray(kept, dtype=np.int64)
+    kind_a, layer_a, tensor_a, depth_a = (np.asarray([column[i] for i in kept], dtype=dtype)
+                                          for column, dtype in ((kind, object),
+                                                                (layer, object),
+                                                                (tensor, object),
+                                                                (depth, np.int64)))
+    for array in (at, kind_a, layer_a, tensor_a, depth_a):
+        array.flags.writeable = False  # shared by every step of the sequence
+    return _Order(at, losses[-1] if losses else None, kind_a, layer_a, tensor_a, depth_a)
 
 
 def _arrays(columns: Sequence[Sequence[object]]) -> list[np.ndarray]:

@@ -33,7 +33,7 @@ import numpy as np
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.detectors._events import COOLDOWN, EventBuilder, Family, Moves
-from graddebug.detectors._series import MAD_TO_SIGMA, Rings
+from graddebug.detectors._series import MAD_TO_SIGMA, Layout, Rings, Zeros, grown, median_of
 from graddebug.detectors._steprows import StepRows
 from graddebug.hookspecs import hookimpl
 from graddebug.records import Cause, Finding, Issue, Kind, Severity
@@ -57,18 +57,22 @@ class History:
     def __init__(self, thresholds: Thresholds) -> None:
         self._t = thresholds
         window = thresholds.history_window
-        # One ring per tensor: its log10 gradient norm, and (parameters) update/weight ratio;
-        # the weight norm is compared with the last recorded step's only.
-        self._grads, self._ratios, self._weights = Rings(window), Rings(window), Rings(1)
+        # Two rings per tensor (see Layout.ids): its log10 gradient norm and (parameters)
+        # update/weight ratio; the log10 weight norm is compared with the last recorded
+        # step's only (NaN: none yet).
+        self._layout = Layout()
+        self._rings = Rings(window)
+        self._weights = np.full(16, np.nan)
         self._steps_seen = 0
         # The loss's own history (its values, not logs: a loss may be negative or 0).
         self._losses: deque[float] = deque(maxlen=window)
         self._first_losses: list[float] = []  # the run's first history_window losses
         self._loss_spiking = False
         self._events = EventBuilder(thresholds)
-        self._frozen: set[tuple[str, str]] = set()
-        self._zeros: dict[tuple[str, str], tuple[int, float, int, float]] = {}
-        self._dead: set[tuple[str, str]] = set()
+        # Per series id: reported as stalled at the floor (until it moves again), and the
+        # zero fractions of its last two known steps (see Zeros).
+        self._frozen = np.zeros(16, dtype=bool)
+        self._zeros = Zeros(thresholds.dead_fraction, window)
         self._broken: int | None = None  # the last step skipped or left out for a NaN
 
     def observe(self, rows: StepRows) -> list[Finding]:
@@ -84,6 +88,12 @@ class History:
         if rows.skipped or rows.broken:
             self._broken = rows.step
             return []
+        if not self._layout.update(rows.kind, rows.layer, rows.tensor):
+            size = 2 * len(self._layout)
+            self._rings.reserve(size)
+            self._weights = grown(self._weights, size, np.nan)
+            self._frozen = grown(self._frozen, size, False)
+            self._zeros.reserve(size)
         found = self._changes(rows)
         found += self._stalled_floor(rows)
         found += self._dead_units(rows)
@@ -104,69 +114,68 @@ class History:
     # -- jumps and collapses ----------------------------------------------------------------
 
     def _changes(self, rows: StepRows) -> list[Finding]:
-        """Judge every tensor's series at once (a few array operations a step, whatever the
-        number of tensors), then turn what moved into an event."""
+        """Judge every tensor's series at once, gradients and update/weight ratios in one pass
+        (a few array operations a step, whatever the number of tensors), then turn what moved
+        into an event."""
         t = self._t
-        big = (rows.numel >= t.history_numel) & (rows.kind != Kind.LOSS.value)
-        param = big & (rows.kind == _PARAMETER)
+        layout = self._layout
+        big = (rows.numel >= t.history_numel) & layout.gradient
+        param = big & layout.parameter
         with np.errstate(divide="ignore", invalid="ignore"):
             grads = np.log10(rows.norm)
             weights = np.log10(rows.weight_norm)
             ratios = np.log10(rows.update_norm / rows.weight_norm)
         self._steps_seen += 1
-        grad = self._family(self._grads, rows, big, grads, t.history_grad_factor, 0)
-        ratio = self._family(self._ratios, rows, param, ratios, t.history_factor, 1)
-        weight = self._edits(rows, param, weights)
-        return self._events.build(rows, Moves(grad=grad[:4], weight=weight, ratio=ratio[:4],
-                                              ratio_shift=ratio[4]))
-
-    def _family(self, rings: Rings, rows: StepRows, where: np.ndarray, logs: np.ndarray,
-                factor: float, family: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                     np.ndarray, float]:
-        """Judge and extend one family of series, each against its own history and net of
-        what the step did to all of them (see :func:`_common_move`: a batch that moves every
-        gradient, a learning-rate schedule that moves every update, is no tensor's change).
-
-        Returns:
-            The :data:`~graddebug.detectors._events.Family` of moves (row indices, deltas in
-            log10 net of the common move, baseline sizes, every judged row), and the common
-            move itself.
-        """
-        t = self._t
-        at = np.flatnonzero(where & np.isfinite(logs))
-        keys = list(zip([family] * len(at), rows.kind[at], rows.layer[at], rows.tensor[at],
-                        strict=True))
-        slots = rings.slots(keys)
-        values = logs[at]
-        dev = rings.judge(slots, values, t.history_min)
-        rings.push(slots, values)
-        shift = _common_move(rows, at[dev.rows], dev.delta, by_depth=family == 0)
-        delta = dev.delta - shift
-        limit = math.log10(factor)
-        size = np.abs(delta)
-        state = rings.state[dev.slots]
-        new = (size >= limit) & (size >= t.history_sigma * dev.spread) & (state == 0)
-        rings.state[dev.slots[new]] = np.sign(delta[new]).astype(np.int8)
-        rings.state[dev.slots[(state != 0) & (size < limit / 2)]] = 0
+        at_grad = _where(big & np.isfinite(grads))
+        at_ratio = _where(param & np.isfinite(ratios))
+        at = np.concatenate((at_grad, at_ratio))
+        slots = np.concatenate((2 * layout.ids[at_grad], 2 * layout.ids[at_ratio] + 1))
+        values = np.concatenate((grads[at_grad], ratios[at_ratio]))
+        dev = self._rings.judge(slots, values, t.history_min)
+        self._rings.push(slots, values)
         judged = at[dev.rows]
-        return judged[new], delta[new], dev.count[new], judged, shift
+        split = int(np.searchsorted(dev.rows, len(at_grad)))  # grads first, then ratios
+        shift = _common_move(rows, judged[:split], dev.delta[:split], by_depth=True)
+        ratio_shift = _common_move(rows, judged[split:], dev.delta[split:], by_depth=False)
+        delta = dev.delta.copy()
+        delta[:split] -= shift
+        delta[split:] -= ratio_shift
+        limit = np.empty(len(delta))
+        limit[:split] = math.log10(t.history_grad_factor)
+        limit[split:] = math.log10(t.history_factor)
+        size = np.abs(delta)
+        state = self._rings.state
+        was = state[dev.slots]
+        new = (size >= limit) & (size >= t.history_sigma * dev.spread) & (was == 0)
+        state[dev.slots[new]] = np.sign(delta[new]).astype(np.int8)
+        state[dev.slots[(was != 0) & (size < limit / 2)]] = 0
+        grad, ratio = new[:split], new[split:]
+        moves = Moves(
+            grad=(judged[:split][grad], delta[:split][grad], dev.count[:split][grad],
+                  judged[:split]),
+            weight=self._edits(layout, param, weights),
+            ratio=(judged[split:][ratio], delta[split:][ratio], dev.count[split:][ratio],
+                   judged[split:]),
+            ratio_shift=ratio_shift)
+        return self._events.build(rows, moves)
 
-    def _edits(self, rows: StepRows, where: np.ndarray, logs: np.ndarray) -> Family:
+    def _edits(self, layout: Layout, where: np.ndarray, logs: np.ndarray) -> Family:
         """Weights whose norm changed by ``history_factor`` since the last recorded step: no
         optimizer step does that (a healthy weight norm moves by a few percent at most), an
         edit, a reload or a bug outside the optimizer does."""
         t = self._t
-        at = np.flatnonzero(where & np.isfinite(logs))
-        keys = list(zip(rows.layer[at], rows.tensor[at], strict=True))
-        slots = self._weights.slots(keys)
-        dev = self._weights.judge(slots, logs[at], 1)
-        self._weights.push(slots, logs[at])
+        at = _where(where & np.isfinite(logs))
+        ids = layout.ids[at]
+        last = self._weights[ids]
+        seen = ~np.isnan(last)
+        delta = logs[at][seen] - last[seen]
+        self._weights[ids] = logs[at]
+        judged = at[seen]
         if self._steps_seen <= t.history_min:
             empty = np.empty(0, dtype=np.int64)
-            return empty, np.empty(0), empty, at[dev.rows]
-        new = np.abs(dev.delta) >= math.log10(t.history_factor)
-        judged = at[dev.rows]
-        return judged[new], dev.delta[new], dev.count[new], judged
+            return empty, np.empty(0), empty, judged
+        new = np.abs(delta) >= math.log10(t.history_factor)
+        return judged[new], delta[new], np.ones(int(new.sum()), dtype=np.int64), judged
 
     # -- the optimizer stopped moving a layer -------------------------------------------------
 
@@ -174,7 +183,7 @@ class History:
         t = self._t
         if not np.isfinite(rows.update_norm).any():
             return []
-        param = (rows.kind == _PARAMETER) & (rows.norm > 0) & np.isfinite(rows.norm) \
+        param = self._layout.parameter & (rows.norm > 0) & np.isfinite(rows.norm) \
             & (rows.weight_norm > 0) & np.isfinite(rows.update_norm)
         if not param.any():
             return []
@@ -182,27 +191,28 @@ class History:
                          np.nan)
         frozen = param & (ratio <= t.stall_floor)
         learning = param & ~frozen
-        keys = list(zip(rows.layer, rows.tensor, strict=True))
-        for i in np.flatnonzero(param & ~frozen):
-            self._frozen.discard(keys[i])
+        ids = self._layout.ids
+        self._frozen[ids[learning]] = False
         if not frozen.any() or not learning.any():
             return []
-        if np.median(ratio[learning]) < t.stall_floor * STALL_MARGIN:
+        if median_of(ratio[learning]) < t.stall_floor * STALL_MARGIN:
             return []
-        fresh = [i for i in np.flatnonzero(frozen) if keys[i] not in self._frozen]
-        if not fresh:
+        fresh = _where(frozen & ~self._frozen[ids])
+        if not len(fresh):
             return []
-        self._frozen.update(keys[i] for i in fresh)
-        source = max(fresh, key=lambda i: (rows.depth[i], keys[i]))
-        layer, tensor = keys[source]
-        others = len({keys[i][0] for i in fresh}) - 1
+        self._frozen[ids[fresh]] = True
+        keys = [(str(rows.layer[i]), str(rows.tensor[i])) for i in fresh]
+        pick = max(range(len(fresh)), key=lambda k: (rows.depth[fresh[k]], keys[k]))
+        source = fresh[pick]
+        layer, tensor = keys[pick]
+        others = len({key[0] for key in keys}) - 1
         also = f" ({others} other layer(s) too)" if others > 0 else ""
         return [finding(
             Issue.STALLED, Severity.WARNING, rows.step, layer,
             (f"the optimizer did not move {layer}.{tensor} at step {rows.step}{also}: its "
              f"update/weight ratio is {ratio[source]:.1e} while its gradient is "
              f"{rows.norm[source]:.2g} and the other layers' median ratio is "
-             f"{np.median(ratio[learning]):.1e}. It has stopped learning: check its "
+             f"{median_of(ratio[learning]):.1e}. It has stopped learning: check its "
              "parameter group's learning rate, and that the optimizer holds it."),
             tensor=tensor, value=float(ratio[source]), threshold=t.stall_floor,
             cause=Cause.OPTIMIZER)]
@@ -214,38 +224,32 @@ class History:
         both within ``history_window`` steps, at or above ``dead_fraction``. A gradient that
         is all zero has every unit dead, measured or not."""
         t = self._t
-        zero = np.where(np.isnan(rows.zero_frac) & (rows.norm == 0), 1.0, rows.zero_frac)
-        act = np.flatnonzero((rows.kind == _ACTIVATION) & (rows.numel > 0) & ~np.isnan(zero))
-        zero = zero[act]
-        fresh = []
-        for i, z in zip(act, zero, strict=True):
-            key = (rows.layer[i], rows.tensor[i])
-            previous = self._zeros.get(key)
-            self._zeros[key] = (*(previous[2:] if previous else (-1, math.nan)), rows.step, z)
-            if z < t.dead_fraction:
-                self._dead.discard(key)
-                continue
-            if (previous is not None and previous[3] >= t.dead_fraction and key not in self._dead
-                    and rows.step - previous[2] < t.history_window):
-                self._dead.add(key)
-                fresh.append(i)
-        if not fresh:
+        layout = self._layout
+        if not layout.has_activation:
             return []
-        source = max(fresh, key=lambda i: (rows.depth[i], rows.layer[i], rows.tensor[i]))
-        layer, tensor = rows.layer[source], rows.tensor[source]
+        zero = np.where(np.isnan(rows.zero_frac) & (rows.norm == 0), 1.0, rows.zero_frac)
+        act = _where(layout.activation & (rows.numel > 0) & ~np.isnan(zero))
+        if not len(act):
+            return []
+        fresh = self._zeros.take(rows.step, layout.ids[act], zero[act], layout.unique)
+        if not len(fresh):
+            return []
+        at = act[fresh]
+        source = max(at, key=lambda i: (rows.depth[i], rows.layer[i], rows.tensor[i]))
+        layer, tensor = str(rows.layer[source]), str(rows.tensor[source])
         if self._events.recent_layer(rows.step, t.history_window) == layer:
             return []  # the units died of an event already reported there (a weight edited)
-        below = len(fresh) - 1
+        below = len(at) - 1
         victims = (f" The gradient of {below} layer(s) below it is zero because of it."
                    if below else "")
         frac = float(np.where(np.isnan(rows.zero_frac[source]), 1.0, rows.zero_frac[source]))
         return [finding(
             Issue.DEAD, Severity.WARNING, rows.step, layer,
             (f"{frac:.0%} of the units of {layer!r} got an all-zero gradient over the whole "
-             f"batch at steps {self._zeros[(layer, tensor)][0]} and {rows.step}: they died and "
-             f"stop learning.{victims} Look for a bias pushed far negative or a weight update "
-             "that overshot; try a lower learning rate, LeakyReLU/GELU, or a normalisation "
-             "layer before the activation."),
+             f"batch at steps {self._zeros.before(layout.ids[source])} and {rows.step}: they "
+             f"died and stop learning.{victims} Look for a bias pushed far negative or a "
+             "weight update that overshot; try a lower learning rate, LeakyReLU/GELU, or a "
+             "normalisation layer before the activation."),
             tensor=tensor, value=frac, threshold=t.dead_fraction, cause=Cause.LAYER)]
 
     # -- the loss ----------------------------------------------------------------------------
@@ -305,9 +309,9 @@ def _common_move(rows: StepRows, judged: np.ndarray, delta: np.ndarray, *, by_de
     if len(delta) < 3:
         return 0.0
     if not by_depth:
-        return float(np.median(delta))
+        return median_of(delta)
     kinds = rows.kind[judged]
-    pool = np.flatnonzero(kinds == _ACTIVATION)
+    pool = _where(kinds == _ACTIVATION)
     if not len(pool):
         pool = np.arange(len(judged))
     return float(delta[pool[int(np.argmax(rows.depth[judged[pool]]))]])
@@ -331,3 +335,8 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
         found += history.observe(StepRows.from_columns(int(step), columns,
                                                        np.asarray(groups[step]), kinds))
     return found
+
+
+def _where(mask: np.ndarray) -> np.ndarray:
+    """The indices where a 1-d mask is true (``np.flatnonzero`` without its Python layers)."""
+    return mask.nonzero()[0]
