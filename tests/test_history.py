@@ -269,3 +269,75 @@ def test_weights_that_jump_together_with_no_update_known_are_one_global_finding(
     found = live(run(edit=edit))
     assert [(f.step, f.layer, f.issue, f.cause) for f in found] == [
         (50, "", "update_too_large", "optimizer")]
+
+
+# -- sustained shifts ---------------------------------------------------------------------------
+
+
+def flat(steps: int, fall: dict[int, float], *, update: str = "") -> list[list[Record]]:
+    """A noise-free run: every gradient 1.0 and every update/weight ratio 1e-3, but fc2's
+    gradient (output and weight) divided by ``fall[step]`` from each step in ``fall`` on, or,
+    where ``update`` names a layer, that layer's update instead."""
+    out, factor = [], 1.0
+    for step in range(steps):
+        factor = fall.get(step, factor)
+        grad = {layer: 1.0 / factor if layer == "fc2" and not update else 1.0
+                for layer in LAYERS}
+        out.append([row for d, layer in enumerate(LAYERS) for row in (
+            _row(step, layer, "output", "activation", d, grad[layer]),
+            _row(step, layer, "weight", "parameter", d, grad[layer], weight=1.0,
+                 update=1e-3 / factor if layer == update else 1e-3))])
+    return out
+
+
+def test_a_gradient_that_falls_30x_over_two_steps_and_stays_is_one_sustained_vanishing() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step == 50:
+            values["fc2"]["grad"] *= 0.3
+        if step >= 51:  # 50x below: under the 100x of an abrupt change
+            values["fc2"]["grad"] *= 0.02
+
+    steps = run(edit=edit)
+    found = live(steps)
+    assert [(f.step, f.layer, f.tensor, f.issue, f.cause) for f in found] == [
+        (53, "fc2", "output", "vanishing", "layer")]
+    assert "has stayed" in found[0].message and "before step 51 for 3 steps" in found[0].message
+    assert found[0].threshold == Thresholds().history_sustain_grad_factor
+    assert {(f.step, f.layer, f.issue) for f in found} <= {
+        (f.step, f.layer, f.issue) for f in replayed(steps)}
+
+
+def test_one_layers_update_ratio_falling_7x_while_the_others_learn_is_stalled() -> None:
+    # its learning rate divided by 7 at step 40: under the 10x of an abrupt change
+    found = live(flat(80, {40: 7.0}, update="fc1"))
+    assert [(f.step, f.layer, f.tensor, f.issue, f.cause) for f in found] == [
+        (42, "fc1", "weight", "stalled", "optimizer")]
+    assert "update/weight ratio" in found[0].message
+    assert "has stayed 7x below its median of the 20 steps before step 40 for 3 steps" \
+        in found[0].message
+
+
+def test_slow_drift_of_an_update_ratio_by_1000x_over_500_steps_never_fires() -> None:
+    def edit(step: int, values: dict) -> None:
+        values["fc1"]["update"] *= 10 ** (-3 * step / 500)
+        values["fc3"]["grad"] *= 10 ** (3 * step / 500)
+
+    assert live(run(500, edit=edit)) == []
+
+
+def test_a_sawtooth_below_the_abrupt_factor_is_no_sustained_shift() -> None:
+    def edit(step: int, values: dict) -> None:
+        if step >= 40 and step % 2:  # 30x down every other step: never three in a row
+            values["fc2"]["grad"] /= 30
+
+    assert live(run(edit=edit)) == []
+
+
+@pytest.mark.parametrize(("factor", "fires"), [(10.0, True), (9.9, False)])
+def test_a_shift_exactly_at_the_sustained_factor_fires_and_one_just_under_does_not(
+        factor: float, fires: bool) -> None:
+    # log10(1/10) is exactly -1: the move equals log10 of the threshold to the last bit
+    thresholds = Thresholds(history_sustain_grad_factor=10.0)
+    found = live(flat(60, {30: factor}), thresholds)
+    expected = [(32, "fc2", "output", "vanishing")] if fires else []
+    assert [(f.step, f.layer, f.tensor, f.issue) for f in found] == expected

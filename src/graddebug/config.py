@@ -66,7 +66,7 @@ def as_number(value: object, *, integral: bool = False) -> int | float | None:
 
 
 _COUNTS = {"growth_window": "steps", "overflow_steps": "steps", "history_window": "steps",
-           "history_min": "steps", "history_numel": "entries"}
+           "history_min": "steps", "history_numel": "entries", "history_sustain_steps": "steps"}
 """The thresholds that count something, and must be ints."""
 
 
@@ -142,6 +142,18 @@ class Thresholds:
             own spread).
         history_numel: Tensors of fewer entries are left out of the history rules (16: the
             norm of a tiny bias swings by 100x when its entries cross zero).
+        history_sustain_grad_factor: A sustained shift: a gradient norm that stays this many
+            times above or below the median of its window before the shift (frozen), net of
+            each step's common move and beyond ``history_sigma``, for
+            ``history_sustain_steps`` recorded steps in a row (20: replayed over the 18
+            healthy references of ``benchmarks/calibrate_history.py``, 2 seeds, torch and
+            Keras fit/tape, the largest factor that still fires over 3 steps is 10x, a GPT
+            LayerNorm bias in warmup; 15x fires on none) ...
+        history_sustain_factor: ... and an update/weight ratio this many times (5: there the
+            largest that still fires is 3x, a Keras CNN head late in the cosine; 4x fires on
+            none) ...
+        history_sustain_steps: ... for this many recorded steps (3: the shift is reported
+            on its third step; with 4 or 5 steps the healthy largest factors are 8x and 3x).
         stall_floor: ``stalled`` when a parameter's update/weight ratio is at or below this
             (1e-8; an update of exactly 0 while its gradient is not) while the other layers'
             median ratio is at least 1000 times more.
@@ -170,6 +182,9 @@ class Thresholds:
     history_grad_factor: float = 100.0
     history_sigma: float = 6.0
     history_numel: int = 16
+    history_sustain_grad_factor: float = 20.0
+    history_sustain_factor: float = 5.0
+    history_sustain_steps: int = 3
     stall_floor: float = 1e-8
     loss_sigma: float = 6.0
     loss_rise: float = 1.0

@@ -24,11 +24,20 @@ from graddebug.detectors import finding, fmt
 from graddebug.detectors._steprows import StepRows
 from graddebug.records import Cause, Finding, Issue, Kind, Severity
 
-__all__ = ["COOLDOWN", "EventBuilder", "Family", "Moves"]
+__all__ = ["COOLDOWN", "EventBuilder", "Family", "Moves", "Sustained"]
 
 Family = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """One family's moves at a step: the rows that newly left their baseline, their deltas (log10),
 their baselines' sizes, and every judged row."""
+
+Sustained = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""The sustained shifts that became events at a step (see
+:mod:`~graddebug.detectors._sustained`): their rows, their moves against the frozen baselines
+(log10), those baselines' sizes, the shifts' first steps, and whether each is a gradient
+(else an update/weight ratio)."""
+
+_NO_SHIFT: Sustained = (np.empty(0, dtype=np.int64), np.empty(0), np.empty(0, dtype=np.int64),
+                        np.empty(0, dtype=np.int64), np.empty(0, dtype=bool))
 
 _PARAMETER, _ACTIVATION = Kind.PARAMETER.value, Kind.ACTIVATION.value
 
@@ -50,13 +59,15 @@ _ADVICE = {
 
 @dataclass
 class Moves:
-    """The families' moves at one step (see :data:`Family`), and the median move of every
-    update/weight ratio (log10): where most of them moved together."""
+    """The families' moves at one step (see :data:`Family`), the median move of every
+    update/weight ratio (log10): where most of them moved together, and the sustained shifts
+    that became events."""
 
     grad: Family
     weight: Family
     ratio: Family
     ratio_shift: float = 0.0
+    sustained: Sustained = _NO_SHIFT
 
 
 class EventBuilder:
@@ -79,12 +90,19 @@ class EventBuilder:
             shift = 0.0  # every ratio is still away from its baselines: the same event
         else:
             self._shifted = abs(shift) >= limit
-        if (not len(moves.grad[0]) and not len(moves.ratio[0]) and not len(moves.weight[0])
-                and abs(shift) < limit):
+        abrupt = bool(len(moves.grad[0]) or len(moves.ratio[0]))
+        if (not abrupt and not len(moves.weight[0]) and abs(shift) < limit
+                and not len(moves.sustained[0])):
             return []
         last = self._last
         if last is not None and rows.step - last[0] <= COOLDOWN:
             return []  # the aftermath of the last event
+        if not abrupt and last is not None:
+            # a shift that began within the cooldown of the last event is its aftermath
+            moves.sustained = _since(moves.sustained, last[0] + COOLDOWN)
+        if (not abrupt and not len(moves.weight[0]) and abs(shift) < limit
+                and not len(moves.sustained[0])):
+            return []
         if shift <= -limit:
             # Every update fell together: a schedule reaching its end (a cosine to 0) or a
             # learning rate set to 0 for the whole model; no layer to name, and no fault of
@@ -93,7 +111,7 @@ class EventBuilder:
             return []
         found = (self._global(rows, moves, shift) if shift >= limit else None) \
             or self._moved_together(rows, moves) or self._edited(rows, moves) \
-            or self._first(rows, moves)
+            or (self._first(rows, moves) if abrupt else self._sustained(rows, moves))
         self._last = (rows.step, found.layer, found.tensor, Cause(found.cause))
         return [found]
 
@@ -174,6 +192,9 @@ class EventBuilder:
         return finding(Issue.UPDATE_TOO_LARGE, Severity.WARNING, rows.step, "", message,
                        value=factor, threshold=self._t.history_factor, cause=Cause.OPTIMIZER)
 
+    def _sustained(self, rows: StepRows, moves: Moves) -> Finding:
+        return _sustained_finding(self._t, rows, moves.sustained)
+
     def _first(self, rows: StepRows, moves: Moves) -> Finding:
         at, delta, count, _ = moves.grad
         cause, what = Cause.LAYER, "gradient"
@@ -201,6 +222,46 @@ class EventBuilder:
                    f"{int(count[pick])} steps.{tail} {_ADVICE[issue]}")
         return finding(issue, Severity.WARNING, rows.step, layer, message, tensor=tensor,
                        value=factor, threshold=self._t.history_factor, cause=cause)
+
+
+def _sustained_finding(t: Thresholds, rows: StepRows, shifted: Sustained) -> Finding:
+    """The finding of sustained shifts: the first in backward order, gradients before
+    update/weight ratios (as :meth:`EventBuilder._first`)."""
+    at, move, count, start, is_grad = shifted
+    pool = np.flatnonzero(is_grad)
+    grad = bool(len(pool))
+    if not grad:
+        pool = np.arange(len(at))
+    kinds = rows.kind[at[pool]]
+    if (kinds == _ACTIVATION).any():
+        pool = pool[kinds == _ACTIVATION]
+    pick = pool[int(np.argmax(rows.depth[at[pool]]))]
+    i = at[pick]
+    layer, tensor = str(rows.layer[i]), str(rows.tensor[i])
+    up = move[pick] > 0
+    if grad:
+        issue = Issue.EXPLODING if up else Issue.VANISHING
+        what, cause, limit = "gradient", Cause.LAYER, t.history_sustain_grad_factor
+    else:
+        issue = Issue.UPDATE_TOO_LARGE if up else Issue.STALLED
+        what, cause, limit = "update/weight ratio", Cause.OPTIMIZER, t.history_sustain_factor
+    factor = 10 ** abs(float(move[pick]))
+    steps = rows.step - int(start[pick]) + 1
+    others = len(at) - 1
+    tail = (f" {others} other tensor(s) shifted with it." if others else "")
+    message = (f"the {what} at {layer}.{tensor} has stayed {fmt(factor)}x "
+               f"{'above' if up else 'below'} its median of the {int(count[pick])} steps "
+               f"before step {int(start[pick])} for {steps} steps: a sustained shift, not "
+               f"drift.{tail} {_ADVICE[issue]}")
+    return finding(issue, Severity.WARNING, rows.step, layer, message, tensor=tensor,
+                   value=factor, threshold=limit, cause=cause)
+
+
+def _since(shifted: Sustained, step: int) -> Sustained:
+    """The sustained shifts that began after ``step``."""
+    keep = shifted[3] > step
+    at, move, count, start, is_grad = shifted
+    return at[keep], move[keep], count[keep], start[keep], is_grad[keep]
 
 
 def _direction(delta: np.ndarray, up: Issue, down: Issue) -> Issue:

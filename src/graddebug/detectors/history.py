@@ -35,6 +35,7 @@ from graddebug.detectors import Evidence, finding
 from graddebug.detectors._events import COOLDOWN, EventBuilder, Family, Moves
 from graddebug.detectors._series import MAD_TO_SIGMA, Layout, Rings, Zeros, grown, median_of
 from graddebug.detectors._steprows import StepRows
+from graddebug.detectors._sustained import Streaks
 from graddebug.hookspecs import hookimpl
 from graddebug.records import Cause, Finding, Issue, Kind, Severity
 
@@ -62,6 +63,7 @@ class History:
         # step's only (NaN: none yet).
         self._layout = Layout()
         self._rings = Rings(window)
+        self._streaks = Streaks(thresholds.history_sustain_steps, thresholds.history_sigma)
         self._weights = np.full(16, np.nan)
         self._steps_seen = 0
         # The loss's own history (its values, not logs: a loss may be negative or 0).
@@ -91,6 +93,7 @@ class History:
         if not self._layout.update(rows.kind, rows.layer, rows.tensor):
             size = 2 * len(self._layout)
             self._rings.reserve(size)
+            self._streaks.reserve(size)
             self._weights = grown(self._weights, size, np.nan)
             self._frozen = grown(self._frozen, size, False)
             self._zeros.reserve(size)
@@ -137,9 +140,9 @@ class History:
         split = int(np.searchsorted(dev.rows, len(at_grad)))  # grads first, then ratios
         shift = _common_move(rows, judged[:split], dev.delta[:split], by_depth=True)
         ratio_shift = _common_move(rows, judged[split:], dev.delta[split:], by_depth=False)
-        delta = dev.delta.copy()
-        delta[:split] -= shift
-        delta[split:] -= ratio_shift
+        shifts = np.empty(len(dev.delta))
+        shifts[:split], shifts[split:] = shift, ratio_shift
+        delta = dev.delta - shifts
         limit = np.empty(len(delta))
         limit[:split] = math.log10(t.history_grad_factor)
         limit[split:] = math.log10(t.history_factor)
@@ -149,6 +152,12 @@ class History:
         new = (size >= limit) & (size >= t.history_sigma * dev.spread) & (was == 0)
         state[dev.slots[new]] = np.sign(delta[new]).astype(np.int8)
         state[dev.slots[(was != 0) & (size < limit / 2)]] = 0
+        sustain = np.empty(len(delta))
+        sustain[:split] = math.log10(t.history_sustain_grad_factor)
+        sustain[split:] = math.log10(t.history_sustain_factor)
+        done, move, count, start = self._streaks.take(
+            rows.step, dev.slots, values[dev.rows], dev.median, dev.spread, dev.count, shifts,
+            sustain, state[dev.slots] == 0)
         grad, ratio = new[:split], new[split:]
         moves = Moves(
             grad=(judged[:split][grad], delta[:split][grad], dev.count[:split][grad],
@@ -156,7 +165,8 @@ class History:
             weight=self._edits(layout, param, weights),
             ratio=(judged[split:][ratio], delta[split:][ratio], dev.count[split:][ratio],
                    judged[split:]),
-            ratio_shift=ratio_shift)
+            ratio_shift=ratio_shift,
+            sustained=(judged[done], move, count, start, done < split))
         return self._events.build(rows, moves)
 
     def _edits(self, layout: Layout, where: np.ndarray, logs: np.ndarray) -> Family:
