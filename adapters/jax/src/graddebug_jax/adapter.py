@@ -306,7 +306,9 @@ class JaxAdapter(JaxTaps):
             model = self._index.model if self._index is not None else None
             self._param_vars = [] if model is None else [
                 v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
-        return [v.get_value() for v in self._param_vars]
+        # get_raw_value (flax 0.12) is 40x faster than get_value, which checks the trace
+        return [v.get_raw_value() if hasattr(v, "get_raw_value") else v.value
+                for v in self._param_vars]
 
     def _shapes(self, paths: list[str]) -> list[tuple[int, ...]]:
         known = self._param_shapes()

@@ -28,8 +28,10 @@ __all__ = ["INPUT_LAYER", "ParamNamer", "StepRows", "given_rows"]
 
 _ACT = Kind.ACTIVATION.value
 _PARAM = Kind.PARAMETER.value
-_A = {name: i for i, name in enumerate(ACT_COLUMNS)}
-_P = {name: i for i, name in enumerate(PARAM_COLUMNS)}
+# The columns' order, which the unpacking of rows below relies on.
+assert ACT_COLUMNS[:5] == ("sumsq", "total", "absmax", "zero_frac", "pre_sumsq")
+assert PARAM_COLUMNS == ("sumsq", "total", "absmax", "weight_sumsq", "update_sumsq")
+_PRESENT, _FORWARD_BAD = ACT_COLUMNS.index("present"), ACT_COLUMNS.index("forward_bad")
 
 INPUT_LAYER = "input"
 """The ``layer`` of the events of the model's inputs, as in the other adapters."""
@@ -74,6 +76,8 @@ class StepRows:
         self._params: list[_ParamBatch] = []
         self._inputs: list[tuple[str, str]] = []  # (tensor, "NaN" | "Inf") of bad inputs
         self._held: list[Parcel] = []
+        # path -> (layer, tensor, depth, shape text, numel) of a parameter row
+        self._named: dict[str, tuple[str, str, int, str, int]] = {}
         self._lock = threading.Lock()
         self.transfers = 0
         """Device-to-host transfers so far: one per callback, one per fetch of held parcels."""
@@ -146,47 +150,54 @@ class StepRows:
             result.events.append(Event(step, INPUT_LAYER, tensor, -1,
                                        EventKind.INPUT_NONFINITE.value, what))
         for sites, rows in layers:
-            for site, row in zip(sites, rows, strict=False):
+            # Python floats first: indexing numpy scalars costs more than the arithmetic.
+            for site, row in zip(sites, rows.tolist(), strict=False):
                 self._layer_row(step, site, row, result)
         for batch in params:
-            for path, shape, row in zip(batch.paths, batch.shapes, batch.rows, strict=True):
+            for path, shape, row in zip(batch.paths, batch.shapes, batch.rows.tolist(),
+                                        strict=True):
                 result.records.append(self._param_row(step, path, shape, row))
         return result
 
     @staticmethod
-    def _layer_row(step: int, site: Site, row: np.ndarray, result: StepResult) -> None:
+    def _layer_row(step: int, site: Site, row: list[float], result: StepResult) -> None:
         layer, tensor = site.layer, site.tensor
         depth = layer.depth
-        if row[_A["forward_bad"]] > 0:
-            what = "NaN" if row[_A["forward_bad"]] == FORWARD_NAN else "Inf"
+        bad = row[_FORWARD_BAD]
+        if bad > 0:
             result.events.append(Event(step, layer.name, tensor, depth,
-                                       EventKind.FORWARD_NONFINITE.value, what))
+                                       EventKind.FORWARD_NONFINITE.value,
+                                       "NaN" if bad == FORWARD_NAN else "Inf"))
         if not site.needs_grad and site.inputs_need_grad:
             result.events.append(Event(step, layer.name, tensor, depth,
                                        EventKind.DETACHED_OUTPUT.value,
                                        "its output needs no gradient although its input does"
                                        " (a jax.lax.stop_gradient inside it?)"))
-        if row[_A["present"]] == 0:
+        if row[_PRESENT] == 0:
             if site.needs_grad:
                 result.events.append(Event(step, layer.name, tensor, depth,
                                            EventKind.UNREACHED.value))
             return
-        sumsq, absmax = float(row[_A["sumsq"]]), float(row[_A["absmax"]])
+        sumsq, total, absmax, zero_frac, pre = row[:5]
         nan = math.isnan(sumsq) or math.isnan(absmax)
-        pre = float(row[_A["pre_sumsq"]])
         result.records.append(sums_record(
-            step, layer.name, tensor, _ACT, depth, str(site.shape), site.numel, _sqrt(sumsq),
-            float(row[_A["total"]]), absmax, float(row[_A["zero_frac"]]), nan,
-            math.isinf(absmax), _sqrt(pre) if not math.isnan(pre) else math.nan))
+            step, layer.name, tensor, _ACT, depth, site.shape_text, site.numel, _sqrt(sumsq),
+            total, absmax, zero_frac, nan, math.isinf(absmax),
+            _sqrt(pre) if not math.isnan(pre) else math.nan))
 
-    def _param_row(self, step: int, path: str, shape: tuple[int, ...], row: np.ndarray
+    def _param_row(self, step: int, path: str, shape: tuple[int, ...], row: list[float]
                    ) -> Record:
-        layer, tensor, depth = self._namer(path)
-        sumsq, absmax = float(row[_P["sumsq"]]), float(row[_P["absmax"]])
+        named = self._named.get(path)
+        if named is None:
+            layer, tensor, depth = self._namer(path)
+            named = (layer, tensor, depth, str(tuple(shape)),
+                     int(np.prod(shape)) if shape else 1)
+            if depth >= 0:  # the depth is known once the layer has run
+                self._named[path] = named
+        layer, tensor, depth, shape_text, numel = named
+        sumsq, total, absmax, weight_sumsq, update_sumsq = row
         nan = math.isnan(sumsq)  # a NaN entry makes the sum of squares NaN
         inf = math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sumsq)
-        numel = int(np.prod(shape)) if shape else 1
         return sums_record(
-            step, layer, tensor, _PARAM, depth, str(tuple(shape)), numel, _sqrt(sumsq),
-            float(row[_P["total"]]), absmax, math.nan, nan, inf, math.nan, 0,
-            _sqrt(float(row[_P["weight_sumsq"]])), _sqrt(float(row[_P["update_sumsq"]])))
+            step, layer, tensor, _PARAM, depth, shape_text, numel, _sqrt(sumsq), total, absmax,
+            math.nan, nan, inf, math.nan, 0, _sqrt(weight_sumsq), _sqrt(update_sumsq))

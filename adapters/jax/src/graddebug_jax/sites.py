@@ -70,10 +70,11 @@ class Site:
     upstream_grad: bool = False
     inputs_need_grad: bool = False
 
-    @property
-    def numel(self) -> int:
+    def __post_init__(self) -> None:
+        self.numel = int(np.prod(self.shape)) if self.shape else 1
         """Number of entries."""
-        return int(np.prod(self.shape)) if self.shape else 1
+        self.shape_text = str(self.shape)
+        """The ``shape`` cell of its rows."""
 
 
 def apply_intervention(grad: jax.Array, spec: Intervention) -> jax.Array:
