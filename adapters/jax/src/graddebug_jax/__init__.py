@@ -10,9 +10,11 @@ Where things are:
 - ``plugin``: the entry point; ``adapter``: the Adapter protocol and its capabilities.
 - ``modules``: an NNX model's modules and parameters by graph path, and the wrapped calls.
 - ``sites``: the ``custom_vjp`` identities on layer outputs and taps, and the token chain that
-  batches their rows into one host transfer per backward pass.
+  batches a backward pass's rows into one parcel.
+- ``outlet``: how the parcels of a step (layer rows, the input check, the update's rows, the
+  loss) reach the host together: one transfer per recorded step.
 - ``stats``: the statistics, computed on the device; ``closing``: the rows turned into records.
-- ``optax_monitor``: the optax transformation, :func:`monitor`.
+- ``optax_monitor``: the optax transformation, :func:`monitor`, the carrier of a jitted step.
 """
 
 from __future__ import annotations
