@@ -379,7 +379,8 @@ _UPDATE_COLUMNS = ["step", "layer", "tensor", "numel", "weight_norm", "update_no
 
 def run_torch(name: str, steps: int = STEPS, *, seed: int = 0, fault: Fault | None = None,
               findings_each_step: bool = False, measure_updates: bool = False,
-              watch_options: dict[str, Any] | None = None, threads: int | None = 1) -> Run:
+              watch_options: dict[str, Any] | None = None, threads: int | None = 1,
+              schedule: int | None = None) -> Run:
     """Train torch reference ``name`` for ``steps`` steps under ``graddebug.watch(model)``.
 
     Each step: ``fault`` (if any), the scheduled learning rates, the minibatch, forward,
@@ -398,6 +399,8 @@ def run_torch(name: str, steps: int = STEPS, *, seed: int = 0, fault: Fault | No
         threads: torch's intra-op threads for the run (restored after it); None leaves them.
             One by default: on the shared 2-core CPU, busy with other work, the GPT took
             1.45 s a step on 2 threads against 0.14 s on 1.
+        schedule: The length of run the schedule is planned for (None: ``steps``): a run
+            stopped early, on a learning rate that is still near its peak.
 
     Returns:
         The run.
@@ -407,14 +410,14 @@ def run_torch(name: str, steps: int = STEPS, *, seed: int = 0, fault: Fault | No
         torch.set_num_threads(threads)
     try:
         return _run_torch(name, steps, seed, fault, findings_each_step, measure_updates,
-                          watch_options or {})
+                          watch_options or {}, schedule or steps)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run_torch(name: str, steps: int, seed: int, fault: Fault | None,
                findings_each_step: bool, measure_updates: bool,
-               watch_options: dict[str, Any]) -> Run:
+               watch_options: dict[str, Any], schedule: int) -> Run:
     ref = REFERENCES[name]
     torch.manual_seed(seed)
     model = build_torch(name)
@@ -432,7 +435,7 @@ def _run_torch(name: str, steps: int, seed: int, fault: Fault | None,
         for step in range(steps):
             if fault is not None:
                 fault(step, model, opt)
-            factor = lr_factor(step, steps)
+            factor = lr_factor(step, schedule)
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * factor
             x, y = torch.from_numpy(x_all[step]), torch.from_numpy(y_all[step])
@@ -587,7 +590,7 @@ def build_keras(name: str) -> Any:
 
 def run_keras(name: str, steps: int = STEPS, *, seed: int = 0, mode: str = "fit",
               fault: Fault | None = None, measure_updates: bool = False,
-              watch_options: dict[str, Any] | None = None) -> Run:
+              watch_options: dict[str, Any] | None = None, schedule: int | None = None) -> Run:
     """Train Keras reference ``name`` for ``steps`` steps under ``graddebug.watch(model)``.
 
     ``mode="fit"``: ``model.fit`` over exactly ``steps`` minibatches with
@@ -604,6 +607,7 @@ def run_keras(name: str, steps: int = STEPS, *, seed: int = 0, mode: str = "fit"
         fault: ``fault(step, model, optimizer)``, called before each step's forward pass.
         measure_updates: Measure every variable's weight and update norms in the loop.
         watch_options: Keyword options for ``graddebug.watch`` (none: its defaults).
+        schedule: The length of run the schedule is planned for (None: ``steps``).
 
     Returns:
         The run.
@@ -620,7 +624,7 @@ def run_keras(name: str, steps: int = STEPS, *, seed: int = 0, mode: str = "fit"
     _, batch_loss_cls, schedule_cls = _keras_parts()
     keras.utils.set_random_seed(seed)
     model = build_keras(name)
-    opt = keras.optimizers.AdamW(learning_rate=schedule_cls(ref.lr, steps),
+    opt = keras.optimizers.AdamW(learning_rate=schedule_cls(ref.lr, schedule or steps),
                                  weight_decay=WEIGHT_DECAY, global_clipnorm=CLIP_NORM)
     x_all, y_all = arrays(name, batch_indices(name, steps, ref.batch, seed))
     if name == "cnn":
@@ -729,8 +733,11 @@ class Injected:
             single layer is (the optimizer's learning rate for every layer).
         cause: The ``cause`` a finding about it should carry: ``data``, ``optimizer``,
             ``layer``, ``numerics`` or ``graph``.
-        apply: ``apply(model, optimizer)``, run once, before the forward pass of step ``at``.
+        apply: ``apply(model, optimizer)``, run before the forward pass of step ``at`` (and
+            of the ``repeat - 1`` steps after it).
         frameworks: Where it applies: ``"torch"``, ``"keras"`` or both.
+        repeat: ``apply`` runs before each of this many steps from ``at`` (a fault that
+            builds up over several steps).
     """
 
     name: str
@@ -739,10 +746,11 @@ class Injected:
     cause: str
     apply: Callable[[Any, Any], None] = field(repr=False)
     frameworks: tuple[str, ...] = ("torch", "keras")
+    repeat: int = 1
 
     def __call__(self, step: int, model: Any, optimizer: Any) -> None:
         """The ``fault(step, model, optimizer)`` of :func:`run_torch` and :func:`run_keras`."""
-        if step == self.at:
+        if self.at <= step < self.at + self.repeat:
             self.apply(model, optimizer)
 
 
@@ -886,6 +894,44 @@ def freeze_layer(layer: str, at: int) -> Injected:
             group["base_lr"] = 0.0
 
     return Injected("freeze_layer", at, layer, "optimizer", apply, ("torch",))
+
+
+def lr_divide(layer: str, at: int, factor: float = 7.0) -> Injected:
+    """A learning-rate bug in one layer: the ``base_lr`` of ``layer``'s parameter group
+    divided by ``factor`` from step ``at`` on (AdamW's decoupled weight decay with it), while
+    every other layer keeps its schedule. The layer's update/weight ratio falls ``factor``
+    times and stays there: a sustained shift, smaller than ``history_factor`` (10) and larger
+    than ``history_sustain_factor`` (5) at the default 7. Torch only: the optimizers of
+    :func:`run_torch` hold one group per layer.
+
+    True source: ``layer``. Cause: ``optimizer``.
+    """
+    def apply(model: Any, optimizer: Any) -> None:
+        groups = [g for g in optimizer.param_groups if g.get("name") == layer]
+        if not groups:
+            raise KeyError(f"no parameter group named {layer!r}")
+        for group in groups:
+            group["base_lr"] /= factor
+
+    return Injected("lr_divide", at, layer, "optimizer", apply, ("torch",))
+
+
+def gradual_shrink(layer: str, at: int, factor: float = 3.0, steps: int = 3) -> Injected:
+    """``layer``'s weight divided by ``factor`` before each of ``steps`` steps from ``at``:
+    the weight falls ``factor ** steps`` times in all (27 at the defaults), never
+    ``history_factor`` (10) times from one step to the next, so the rule for weights edited
+    outside the optimizer, which compares consecutive steps, does not see it. Measured on
+    ``tanh_mlp``'s ``fc3`` at step 70 of a 500-step schedule: the gradients below it do not
+    fall 27x (the loss rises and clipping rescales every gradient), they fall 4x net of the
+    loss side, while ``fc3``'s own gradient rises 10x and its update/weight ratio 12.6x by
+    the second step (Adam's update keeps its size, the weight shrinks).
+
+    True source: ``layer``. Cause: ``layer``.
+    """
+    def apply(model: Any, optimizer: Any) -> None:
+        _change_weight(model, layer, "weight", lambda w: w / factor)
+
+    return Injected("gradual_shrink", at, layer, "layer", apply, repeat=steps)
 
 
 def inf_pixel(at: int, layer: str = "conv1", pixel: int = 27) -> Injected:
