@@ -118,3 +118,17 @@ def test_a_healthy_relu_net_has_no_finding():
     x = jax.random.normal(jax.random.PRNGKey(0), (64, 4))
     dbg = run(model, x, steps=5)
     assert dbg.findings().empty, dbg.findings()[["layer", "issue", "message"]]
+
+
+def test_a_bad_batch_that_is_itself_differentiated_is_still_blamed_on_the_data():
+    model = MLP([4, 8, 1])
+    grad = nnx.jit(nnx.grad(square_loss, argnums=(0, 1)))  # a saliency map: dL/dx too
+    with graddebug.watch(model) as dbg:
+        for i in range(3):
+            x = jax.random.normal(jax.random.PRNGKey(i), (16, 4))
+            if i == 1:
+                x = x.at[3, 1].set(jnp.inf)
+            grads, _ = grad(model, x)
+            dbg.step(grads)
+    events = dbg.events().query("event == 'input_nonfinite'")
+    assert events[["step", "tensor", "detail"]].values.tolist() == [[1, "args.0", "Inf"]]
