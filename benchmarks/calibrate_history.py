@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the references live with the tests that use them
 
 import midtraining  # noqa: E402
+from graddebug import Thresholds  # noqa: E402
 
 FRAMEWORKS = ("torch", "keras-fit", "keras-tape")
 SIZES = ((32, "<32"), (1024, "<1024"), (math.inf, ">=1024"))
@@ -216,6 +217,67 @@ def _keep(cell: dict[str, Any], column: str, values: np.ndarray, steps: np.ndarr
         cell[column], cell[f"{column}_at"] = float(values[i]), f"{name}@{int(steps[i])}"
 
 
+def sustained(frame: pd.DataFrame, t: Any, start: int) -> dict[str, tuple[float, str]]:
+    """The largest sustained move of each family (``grad``, ``ratio``) in one run: over
+    ``streak`` steps in a row, net of each step's common move, against the median of the
+    ``history_window`` steps before the streak (frozen), in one direction and beyond
+    ``history_sigma`` robust deviations of that window (1.4826 MAD, or the mean absolute
+    deviation where larger), on tensors of ``history_numel`` entries or more, as the
+    sustained rule judges it (``t``: a :class:`graddebug.Thresholds`). An upper bound: the
+    rule also ends a streak at an abrupt excursion.
+
+    The common move is the rule's: for gradients, the move of the deepest layer output; for
+    update/weight ratios, the median move of every ratio.
+
+    Returns:
+        Per family, the factor ``10**move`` and ``layer/tensor@first step`` where it was.
+    """
+    window, streak = t.history_window, t.history_sustain_steps
+    rows = frame[(frame["kind"] != "op") & (frame["numel"] >= t.history_numel)]
+    rows = rows.drop_duplicates(["layer", "tensor", "step"])
+    out: dict[str, tuple[float, str]] = {}
+    for family in ("grad", "ratio"):
+        if family == "grad":
+            values = rows.assign(x=rows["norm"])
+        elif {"weight_norm", "update_norm"} <= set(rows.columns):
+            params = rows[rows["kind"] == "parameter"]
+            values = params.assign(x=params["update_norm"] / params["weight_norm"])
+        else:
+            continue
+        wide = values.pivot(index="step", columns=["layer", "tensor"], values="x")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.where(wide.to_numpy() > 0, np.log10(wide.to_numpy()), np.nan)
+        if not np.isfinite(logs).any():
+            continue
+        padded = np.vstack([np.full((window, logs.shape[1]), np.nan), logs])
+        hist = np.lib.stride_tricks.sliding_window_view(padded, window, axis=0)[: len(logs)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = np.nanmedian(hist, axis=2)
+            d = np.where(np.sum(np.isfinite(hist), axis=2) >= 3, logs - med, np.nan)
+            dev = np.abs(hist - med[..., None])
+            spread = np.maximum(MAD_SCALE * np.nanmedian(dev, axis=2), np.nanmean(dev, axis=2))
+            if family == "grad":
+                depth = values.groupby(["layer", "tensor"])["depth"].first()[wide.columns]
+                kinds = values.groupby(["layer", "tensor"])["kind"].first()[wide.columns]
+                deepest = int(np.argmax(np.where(kinds.to_numpy() == "activation",
+                                                 depth.to_numpy(), -1)))
+                common = np.nan_to_num(d[:, deepest])
+            else:
+                common = np.nan_to_num(np.nanmedian(d, axis=1))
+        best, where = 0.0, ""
+        for i in range(start, len(logs) - streak + 1):
+            moves = logs[i:i + streak] - med[i] - common[i:i + streak, None]
+            size = np.min(np.sign(moves[0]) * moves, axis=0)  # the smallest, same direction
+            size = np.where(size >= t.history_sigma * spread[i], size, np.nan)
+            if np.isfinite(size).any() and np.nanmax(size) > best:
+                j = int(np.nanargmax(size))
+                best = float(size[j])
+                where = f"{'/'.join(wide.columns[j])}@{int(wide.index[i])}"
+        out[family] = (10 ** best, where)
+    return out
+
+
 def run_one(name: str, framework: str, steps: int, seed: int) -> midtraining.Run:
     """Train one healthy reference, measuring its updates in the loop too."""
     if framework == "torch":
@@ -239,7 +301,9 @@ def calibrate(references: list[str], frameworks: list[str], steps: int, seeds: l
                 began = time.perf_counter()
                 run = run_one(name, framework, steps, seed)
                 found = run.findings()
+                shifts = sustained(run.frame(), Thresholds(), start)
                 runs.append({
+                    "sustained": {k: {"factor": v[0], "at": v[1]} for k, v in shifts.items()},
                     "reference": name, "framework": framework, "seed": seed,
                     "seconds": round(run.seconds, 1),
                     "total_seconds": round(time.perf_counter() - began, 1),
@@ -256,6 +320,24 @@ def calibrate(references: list[str], frameworks: list[str], steps: int, seeds: l
                     groups.append({"reference": name, "framework": framework, "seed": seed,
                                    **row})
     return runs, groups
+
+
+def _sustained_table(runs: list[dict[str, Any]]) -> Table:
+    """The largest sustained move per family over every run, beside its threshold."""
+    t = Thresholds()
+    table = Table(title=f"largest sustained move ({t.history_sustain_steps}-step streak, net "
+                        f"of the common move, frozen median of {t.history_window} steps)")
+    for column in ("family", "largest x", "at", "threshold x"):
+        table.add_column(column)
+    limits = {"grad": t.history_sustain_grad_factor, "ratio": t.history_sustain_factor}
+    for family, limit in limits.items():
+        cells = [(r["sustained"][family]["factor"], r) for r in runs if family in r["sustained"]]
+        if not cells:
+            continue
+        factor, r = max(cells, key=lambda c: c[0])
+        table.add_row(family, f"{factor:.3g}", f"{r['sustained'][family]['at']} "
+                      f"({r['framework']}/{r['reference']}/s{r['seed']})", f"{limit:g}")
+    return table
 
 
 def _fmt(value: float) -> str:
@@ -326,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"{r['loss_first']:.3f}", f"{r['loss_last20']:.3f}",
                            str(r["graddebug_updates"]), ", ".join(r["findings"]) or "none")
     console.print(runs_table)
+    console.print(_sustained_table(runs))
     frame = pd.DataFrame(groups)
     where = 20 if 20 in args.windows else args.windows[0]
     console.print(_table(frame, args.windows, ["quantity", "kind", "size", "phase"],
