@@ -175,3 +175,22 @@ def test_detach_restores_the_model_and_its_class():
         assert type(model.layers[0]).__call__ is not call
     assert type(model.layers[0]).__call__ is call
     assert not hasattr(model.layers[0], "_graddebug_label")
+
+
+def test_a_tap_on_a_3d_array_gets_its_absmax_and_dead_units_against_numpy():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 5)), jnp.float32)
+    w = jnp.ones((5,)).at[1].set(0.0).at[4].set(0.0)  # units 1 and 4 get no gradient
+
+    with graddebug.watch() as dbg:
+        def loss(x):
+            h = dbg.tap(x * 2.0, "h")
+            return jnp.sum(jnp.sin(h) * w)
+
+        jax.jit(jax.grad(loss))(x)
+        dbg.step()
+    ref = np.asarray(jnp.cos(x * 2.0) * w)  # dL/dh
+    row = dbg.frame().iloc[0]
+    np.testing.assert_allclose(row["absmax"], np.abs(ref).max(), rtol=1e-6)
+    assert np.mean(np.all(ref == 0, axis=(0, 1))) == 0.4
+    assert row["zero_frac"] == pytest.approx(0.4, rel=1e-6)  # float32 on the device
+    np.testing.assert_allclose(row["norm"], np.linalg.norm(ref), rtol=1e-5)

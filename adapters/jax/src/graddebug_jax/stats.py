@@ -88,11 +88,21 @@ def activation_row(grad: Any, pre: Any, forward_bad: Any) -> jax.Array:
     g = grad.astype(jnp.float32)
     sumsq = jnp.sum(g * g)
     total = jnp.sum(g)
-    absmax = jnp.max(jnp.abs(g)) if g.size else jnp.float32(0.0)
-    if g.ndim >= 2 and g.shape[-1]:
-        dead = jnp.all(g == 0, axis=tuple(range(g.ndim - 1)))
-        zero_frac = jnp.mean(dead.astype(jnp.float32))
+    if g.ndim >= 3 and g.size:
+        # A unit is dead where its largest |g| over the batch axes is 0; that per-unit maximum
+        # also gives the absolute maximum, one pass for both, without a boolean temporary of
+        # the gradient's size. Measured on the shared 2-core CPU (eight gradients in one
+        # jitted call, three runs): (8, 32, 256) 230 us against 490-700 us for two passes;
+        # (8, 32, 64) 90-105 us against 140-220 us. On 2-D gradients (64, 256) it was slower
+        # in two runs of three (190-204 us against 145-158 us), so they keep two passes.
+        per_unit = jnp.max(jnp.abs(g), axis=tuple(range(g.ndim - 1)))
+        absmax = jnp.max(per_unit)
+        zero_frac = jnp.mean((per_unit == 0).astype(jnp.float32))
+    elif g.ndim == 2 and g.size:
+        absmax = jnp.max(jnp.abs(g))
+        zero_frac = jnp.mean(jnp.all(g == 0, axis=0).astype(jnp.float32))
     else:
+        absmax = jnp.max(jnp.abs(g)) if g.size else jnp.float32(0.0)
         zero_frac = _nan()
     if pre is None:
         pre_sumsq = _nan()
