@@ -901,7 +901,7 @@ def lr_divide(layer: str, at: int, factor: float = 7.0) -> Injected:
     divided by ``factor`` from step ``at`` on (AdamW's decoupled weight decay with it), while
     every other layer keeps its schedule. The layer's update/weight ratio falls ``factor``
     times and stays there: a sustained shift, smaller than ``history_factor`` (10) and larger
-    than ``history_sustain_factor`` (5) at the default 7. Torch only: the optimizers of
+    than ``history_sustain_factor`` (6) at the default 7. Torch only: the optimizers of
     :func:`run_torch` hold one group per layer.
 
     True source: ``layer``. Cause: ``optimizer``.
