@@ -341,3 +341,36 @@ def test_a_shift_exactly_at_the_sustained_factor_fires_and_one_just_under_does_n
     found = live(flat(60, {30: factor}), thresholds)
     expected = [(32, "fc2", "output", "vanishing")] if fires else []
     assert [(f.step, f.layer, f.tensor, f.issue) for f in found] == expected
+
+
+def test_the_quiet_step_path_gives_the_full_rules_findings_near_every_threshold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Moves on both sides of what a quiet step allows (half the smaller factor: 7.07x for
+    # gradients, 2.45x for update/weight ratios) and of every threshold, one every 4 steps.
+    moves = [("grad", f) for f in (0.01, 0.05, 0.13, 0.15, 0.2, 5.0, 7.0, 7.2, 60.0, 120.0)] \
+        + [("update", f) for f in (0.1, 0.3, 0.45, 2.4, 2.5, 7.0, 12.0, 1e-9)] \
+        + [("weight", f) for f in (0.09, 1.5, 11.0)] + [("zero", f) for f in (0.69, 0.71)]
+    rng = np.random.default_rng(0)
+    picks = {step: (moves[int(rng.integers(len(moves)))], LAYERS[int(rng.integers(5))])
+             for step in range(30, 400, 4)}
+
+    def edit(step: int, values: dict) -> None:
+        for layer in LAYERS if step % 5 == 0 else ():  # fractions measured at some steps
+            values[layer]["zero"] = 0.2
+        if step in picks:
+            (what, factor), layer = picks[step]
+            values[layer][what] = factor if what == "zero" else values[layer][what] * factor
+
+    steps = run(400, edit=edit)
+    taken = []
+    quiet = History._quiet
+
+    def counted(self: History, rows: StepRows) -> bool:
+        taken.append(quiet(self, rows))
+        return taken[-1]
+
+    monkeypatch.setattr(History, "_quiet", counted)
+    found = live(steps)
+    assert 100 < sum(taken) < len(taken) - 50  # both paths ran, many times
+    monkeypatch.setattr(History, "_quiet", lambda self, rows: False)
+    assert found == live(steps) and len(found) > 10

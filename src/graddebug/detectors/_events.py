@@ -115,6 +115,11 @@ class EventBuilder:
         self._last = (rows.step, found.layer, found.tensor, Cause(found.cause))
         return [found]
 
+    @property
+    def shifted(self) -> bool:
+        """Every update/weight ratio has moved away from its baselines, and not back yet."""
+        return self._shifted
+
     def recent_source(self, step: int) -> tuple[str, str, str]:
         """The source of an event at this step or the two before: its layer, tensor and a
         clause for a message; the loss itself where there was none."""

@@ -111,6 +111,17 @@ class Rings:
         filled = np.full(len(slots), window, dtype=np.int64)
         return Deviation(slots, np.arange(len(slots)), values - median, spread, median, filled)
 
+    def full(self, slots: np.ndarray) -> bool:
+        """Whether every slot's ring is full and none is in an excursion."""
+        return bool(len(slots)) and int(self._count[slots].min()) >= self.window \
+            and not self.state.any()
+
+    def medians(self, slots: np.ndarray) -> np.ndarray:
+        """The baselines of full rings: the medians of :meth:`judge`, without the spreads."""
+        window = self.window
+        ordered = np.sort(self._values[slots], axis=1)
+        return np.asarray(0.5 * (ordered[:, (window - 1) // 2] + ordered[:, window // 2]))
+
     def push(self, slots: np.ndarray, values: np.ndarray) -> None:
         """Add one value to each slot's series (the oldest leaves a full ring)."""
         if not len(slots):
@@ -144,6 +155,10 @@ class Layout:
             parameter's, and any gradient (not a loss row).
         has_activation: Some row is a layer output's gradient.
         unique: No two rows of the step share a key (a loaded run of several ranks may).
+        params, outputs: The parameter rows and the layer-output rows, as a slice where they
+            are contiguous (the frame order puts them so), else as indices.
+        slots: The ring slots of every row's gradient, then of every parameter row's
+            update/weight ratio (see :class:`Rings`), in that order.
     """
 
     def __init__(self) -> None:
@@ -153,6 +168,10 @@ class Layout:
         self.ids = np.empty(0, dtype=np.int64)
         self.activation, self.parameter, self.gradient = empty, empty, empty
         self.has_activation, self.unique = False, True
+        self.params: slice | np.ndarray = slice(0, 0)
+        self.outputs: slice | np.ndarray = slice(0, 0)
+        self.slots = np.empty(0, dtype=np.int64)
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         """How many series have been seen."""
@@ -160,6 +179,11 @@ class Layout:
 
     def update(self, kind: np.ndarray, layer: np.ndarray, tensor: np.ndarray) -> bool:
         """Take a step's rows; returns whether the layout is the previous step's."""
+        arrays = self._arrays
+        if arrays is not None and kind is arrays[0] and layer is arrays[1] \
+                and tensor is arrays[2] and not kind.flags.writeable:
+            return True  # the read-only arrays a live run's steps share (see _steprows)
+        self._arrays = (kind, layer, tensor)
         keys = (kind.tolist(), layer.tolist(), tensor.tolist())
         if keys == self._keys:
             return True
@@ -172,7 +196,18 @@ class Layout:
         self.has_activation = bool(self.activation.any())
         self.parameter = kind == _PARAMETER
         self.gradient = kind != _LOSS
+        self.params = _as_slice(self.parameter.nonzero()[0])
+        self.outputs = _as_slice(self.activation.nonzero()[0])
+        self.slots = np.concatenate((2 * self.ids, 2 * self.ids[self.params] + 1))
         return False
+
+
+def _as_slice(at: np.ndarray) -> slice | np.ndarray:
+    """``at`` as a slice where its indices are contiguous: a view where indices copy."""
+    if not len(at):
+        return slice(0, 0)
+    first, last = int(at[0]), int(at[-1])
+    return slice(first, last + 1) if last - first + 1 == len(at) else at
 
 
 class Zeros:
@@ -201,6 +236,17 @@ class Zeros:
     def before(self, series: int) -> int:
         """The known step before the last one of a series (-1: none)."""
         return int(self._before[series])
+
+    def any_dead(self) -> bool:
+        """Whether some series is reported dead (until its fraction falls again)."""
+        return bool(self._dead.any())
+
+    def advance(self, step: int, ids: np.ndarray, zero: np.ndarray) -> None:
+        """:meth:`take` where no series is reported dead and every fraction is below
+        ``fraction`` (none can die, none to clear): the step is only remembered."""
+        self._before[ids] = self._step[ids]
+        self._step[ids] = step
+        self._zero[ids] = zero
 
     def take(self, step: int, ids: np.ndarray, zero: np.ndarray, unique: bool) -> np.ndarray:
         """Add a step's zero fractions; returns the positions (in ``ids``) of the series

@@ -50,6 +50,10 @@ class Streaks:
         self._count = grown(self._count, size, 0)
         self._held = grown(self._held, size, 0)
 
+    def idle(self) -> bool:
+        """Whether no streak is running and none is held as reported."""
+        return not (self._length.any() or self._held.any())
+
     def take(self, step: int, slots: np.ndarray, values: np.ndarray, median: np.ndarray,
              spread: np.ndarray, count: np.ndarray, shift: np.ndarray, limit: np.ndarray,
              free: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
