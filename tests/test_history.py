@@ -374,3 +374,60 @@ def test_the_quiet_step_path_gives_the_full_rules_findings_near_every_threshold(
     assert 100 < sum(taken) < len(taken) - 50  # both paths ran, many times
     monkeypatch.setattr(History, "_quiet", lambda self, rows: False)
     assert found == live(steps) and len(found) > 10
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-4])
+def test_the_quiet_step_path_agrees_where_some_tensors_have_no_series(
+        scale: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The rows a real model gives beside its large tensors, on every step: a bias of 10
+    # entries (under history_numel), a parameter whose weight and update were not sampled
+    # (NaN), and layer outputs whose zero fraction is measured on some steps only; with
+    # every update scaled down 1e4 (update/weight ratios near 1e-7, where no layer counts as
+    # learning for the stall floor), also one whose update rounds to 0 (a conv's bias before
+    # a batch norm, trained by SGD at a small learning rate). Plus moves on both sides of
+    # every threshold, one every 4 steps, as in the test above.
+    moves = [("grad", f) for f in (0.01, 0.13, 0.2, 7.0, 7.2, 60.0, 120.0)] \
+        + [("update", f) for f in (0.1, 0.45, 2.4, 2.5, 7.0, 12.0, 1e-9)] \
+        + [("weight", f) for f in (0.09, 1.5, 11.0)] + [("zero", f) for f in (0.69, 0.71)]
+    rng = np.random.default_rng(1)
+    picks = {step: (moves[int(rng.integers(len(moves)))], LAYERS[int(rng.integers(5))])
+             for step in range(30, 400, 4)}
+
+    def edit(step: int, values: dict) -> None:
+        values["head"]["zero"] = 0.1  # a small output: measured on every step
+        for layer in LAYERS[:2] if step % 5 == 0 else ():
+            values[layer]["zero"] = 0.2 if step < 360 or layer != "fc0" else 0.8  # it dies
+        for layer in LAYERS:
+            values[layer]["update"] *= scale
+        if step in picks:
+            (what, factor), layer = picks[step]
+            values[layer][what] = factor if what == "zero" else values[layer][what] * factor
+
+    steps = run(400, edit=edit)
+    for step, rows in enumerate(steps):
+        grad = 0.01 * (1 + 0.2 * math.sin(step))
+        rows += [
+            sums_record(step, "head", "bias", "parameter", 4, "(10,)", 10, grad, 0.0,
+                        math.nan, math.nan, False, False, weight_norm=1.0,
+                        update_norm=1e-3 * scale),
+            sums_record(step, "fc1", "bias", "parameter", 1, "(64,)", 64, grad, 0.0,
+                        math.nan, math.nan, False, False),
+        ]
+        if scale < 1:
+            rows.append(sums_record(step, "fc2", "bias", "parameter", 2, "(64,)", 64,
+                                    grad * 1e-6, 0.0, math.nan, math.nan, False, False,
+                                    weight_norm=0.5, update_norm=0.0))
+    taken = []
+    quiet = History._quiet
+
+    def counted(self: History, rows: StepRows) -> bool:
+        taken.append(quiet(self, rows))
+        return taken[-1]
+
+    monkeypatch.setattr(History, "_quiet", counted)
+    found = live(steps)
+    assert 100 < sum(taken) < len(taken) - 50  # both paths ran, many times
+    monkeypatch.setattr(History, "_quiet", lambda self, rows: False)
+    assert found == live(steps) and len(found) > 10
+    # fc0's units die at its measured steps 360 and 365, four unmeasured steps apart
+    assert ("fc0", "dead", 365) in {(f.layer, f.issue, f.step) for f in found}

@@ -24,8 +24,6 @@ replays its frame through the same code: both give the same findings.
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -33,7 +31,8 @@ import numpy as np
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.detectors._events import COOLDOWN, EventBuilder, Family, Moves
-from graddebug.detectors._series import MAD_TO_SIGMA, Layout, Rings, Zeros, grown, median_of
+from graddebug.detectors._loss import LossHistory
+from graddebug.detectors._series import Layout, Rings, Zeros, grown, median_of
 from graddebug.detectors._steprows import StepRows
 from graddebug.detectors._sustained import Streaks
 from graddebug.hookspecs import hookimpl
@@ -66,11 +65,8 @@ class History:
         self._streaks = Streaks(thresholds.history_sustain_steps, thresholds.history_sigma)
         self._weights = np.full(16, np.nan)
         self._steps_seen = 0
-        # The loss's own history (its values, not logs: a loss may be negative or 0).
-        self._losses: deque[float] = deque(maxlen=window)
-        self._first_losses: list[float] = []  # the run's first history_window losses
-        self._loss_spiking = False
         self._events = EventBuilder(thresholds)
+        self._loss = LossHistory(thresholds, self._events)
         # Per series id: reported as stalled at the floor (until it moves again), and the
         # zero fractions of its last two known steps (see Zeros).
         self._frozen = np.zeros(16, dtype=bool)
@@ -79,6 +75,7 @@ class History:
         # A step is quiet when no series can cross a factor (see _quiet); while the rules
         # hold no excursion, streak, report or shift (calm), such a step skips them.
         self._calm = False
+        self._all_full = False  # every series of the layout full (see _quiet)
         self._quiet_grad = min(math.log10(thresholds.history_grad_factor),
                                math.log10(thresholds.history_sustain_grad_factor))
         self._quiet_ratio = min(math.log10(thresholds.history_factor),
@@ -109,20 +106,16 @@ class History:
             found = self._changes(rows)
             found += self._stalled_floor(rows)
             found += self._dead_units(rows)
-            self._calm = self._is_calm()
-            return found + self._loss_rule(rows)
-        return self._loss_rule(rows)
+            self._calm = self._is_calm(rows)
+            return found + self._loss.judge(rows.step, rows.loss, rows.loss_finite)
+        return self._loss.judge(rows.step, rows.loss, rows.loss_finite)
 
     def observe_loss(self, step: int, loss: float, finite: bool) -> list[Finding]:
         """Judge a loss that arrived after its step was observed (the step's other rules have
         run); nothing for a step that was skipped or held a NaN."""
         if step in (self._broken, None):
             return []
-        empty = np.empty(0)
-        rows = StepRows(step, empty.astype(object), empty.astype(object), empty.astype(object),
-                        empty.astype(np.int64), empty.astype(np.int64), empty, empty, empty,
-                        empty, loss=loss, loss_finite=finite)
-        return self._loss_rule(rows)
+        return self._loss.judge(step, loss, finite)
 
     # -- the quiet step -----------------------------------------------------------------------
 
@@ -145,45 +138,98 @@ class History:
         params = layout.params
         norm, weight, update = rows.norm, rows.weight_norm[params], rows.update_norm[params]
         # "not (x < y)": a NaN anywhere fails every check
-        if not (rows.numel.min() >= t.history_numel and norm.min() > 0 and weight.min() > 0
-                and update.min() > 0
-                and max(norm.max(), weight.max(), update.max()) < math.inf):
+        if not (norm.min() > 0 and norm.max() < math.inf):
             return False  # no log below can warn: np.errstate alone cost 12 us
-        ratio = update / weight
-        if not ratio.min() > t.stall_floor:
-            return False
-        values = np.concatenate((np.log10(norm), np.log10(ratio)))
-        slots = layout.slots
+        if weight.min() > 0 and update.min() > 0 \
+                and max(weight.max(), update.max()) < math.inf \
+                and rows.numel.min() >= t.history_numel:
+            if not (self._all_full or self._rings.full(layout.slots)):
+                return False  # calm was judged on a step where some series were left out
+            self._all_full = True
+            ratio = update / weight
+            if not ratio.min() > t.stall_floor:
+                return False
+            values = np.concatenate((np.log10(norm), np.log10(ratio)))
+            logs = np.log10(weight)
+            slots, weights, grads = layout.slots, layout.ids[params], len(norm)
+        else:
+            series = self._some_series(rows, norm, weight, update)
+            if series is None:
+                return False
+            slots, values, logs, weights, grads = series
         size = np.abs(values - self._rings.medians(slots))
-        grads = len(norm)
-        if not (2 * size[:grads].max() < self._quiet_grad
-                and 2 * size[grads:].max() < self._quiet_ratio):
+        if not (2 * size[:grads].max(initial=0.0) < self._quiet_grad
+                and 2 * size[grads:].max(initial=0.0) < self._quiet_ratio):
             return False
-        logs = np.log10(weight)
-        weights = layout.ids[params]
-        if not np.abs(logs - self._weights[weights]).max() < math.log10(t.history_factor):
+        if not np.abs(logs - self._weights[weights]).max(initial=0.0) \
+                < math.log10(t.history_factor):
             return False
         zero = rows.zero_frac[layout.outputs]
-        top = zero.max() if len(zero) else math.nan
-        if top != top:  # a fraction not measured (zero_frac is sampled: NaN on most steps)
-            if len(zero) and not math.isnan(np.fmax.reduce(zero)):
-                return False  # some measured, some not: the full rule picks them
-        elif not top < t.dead_fraction:
-            return False
-        else:
-            self._zeros.advance(rows.step, layout.ids[layout.outputs], zero)
+        # The fractions measured at this step (zero_frac is sampled: NaN on most steps for
+        # large outputs, while staged small ones are measured on every step).
+        top = np.fmax.reduce(zero) if len(zero) else math.nan
+        if top == top:
+            if not top < t.dead_fraction:
+                return False
+            measured = zero == zero
+            self._zeros.advance(rows.step, layout.ids[layout.outputs][measured],
+                                zero[measured])
         self._steps_seen += 1
         self._rings.push(slots, values)
         self._weights[weights] = logs
         return True
 
-    def _is_calm(self) -> bool:
-        """Whether a quiet step would change nothing but the baselines: the layout's rings
-        full, and no excursion, streak, stalled or dead report, or global shift held."""
+    def _some_series(self, rows: StepRows, norm: np.ndarray, weight: np.ndarray,
+                     update: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
+        """The quiet checks' series where some rows have none, as the full rules leave them
+        out: tensors under ``history_numel`` entries (a 10-class head's bias), weights and
+        ratios that were not sampled (NaN), and ratios whose update was too small for the
+        weights' precision to move them (0: a conv's bias before a batch norm gets a gradient
+        of about 1e-7). None where the stall floor could speak, a weight norm is 0 or
+        infinite, or a series is not full yet.
+
+        Returns:
+            The judged slots, their values, the judged weights' log10 norms and series ids,
+            and how many of the values are gradients.
+        """
+        t, layout = self._t, self._layout
+        params = layout.params
+        known = weight > 0  # NaN: not sampled
+        if not weight[known].max(initial=1.0) < math.inf or (weight <= 0).any():
+            return None
+        sampled = known & np.isfinite(update)
+        ratio = np.where(sampled, update, 0.0) / np.where(known, weight, 1.0)
+        frozen = sampled & (ratio <= t.stall_floor)
+        if frozen.any():
+            learning = ratio[sampled & ~frozen]
+            if len(learning) and median_of(learning) >= t.stall_floor * STALL_MARGIN:
+                return None
+        big = rows.numel >= t.history_numel
+        kept = big[params] & known
+        moving = kept & (ratio > 0)
+        grads = len(norm)
+        slots = np.concatenate((layout.slots[:grads][big], layout.slots[grads:][moving]))
+        if not self._rings.full(slots):
+            return None
+        values = np.concatenate((np.log10(norm[big]), np.log10(ratio[moving])))
+        return (slots, values, np.log10(weight[kept]), layout.ids[params][kept],
+                int(big.sum()))
+
+    def _is_calm(self, rows: StepRows) -> bool:
+        """Whether a quiet step would change nothing but the baselines: the rings of the
+        layout's tensors full (those the rules judge: ``history_numel`` entries or more), and
+        no excursion, streak, stalled or dead report, or global shift held."""
         layout = self._layout
+        big = rows.numel >= self._t.history_numel
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = rows.update_norm[layout.params] / rows.weight_norm[layout.params]
+        judged = layout.slots[np.concatenate((big, big[layout.params] & (ratio > 0)
+                                              & (ratio < math.inf)))]
+        self._all_full = self._rings.full(layout.slots)
         return (layout.unique and self._steps_seen >= self._t.history_min
                 and bool(layout.gradient.all()) and bool(layout.parameter.any())
-                and self._rings.full(layout.slots) and self._streaks.idle()
+                and self._rings.full(judged) and self._streaks.idle()
                 and not self._frozen.any() and not self._zeros.any_dead()
                 and not self._events.shifted)
 
@@ -336,46 +382,6 @@ class History:
             tensor=tensor, value=frac, threshold=t.dead_fraction, cause=Cause.LAYER)]
 
     # -- the loss ----------------------------------------------------------------------------
-
-    def _loss_rule(self, rows: StepRows) -> list[Finding]:
-        t = self._t
-        if not rows.loss_finite:
-            return [finding(
-                Issue.NONFINITE, Severity.ERROR, rows.step, "loss",
-                (f"the loss was {rows.loss} at step {rows.step} while every gradient stayed "
-                 "finite: the loss function made it (a log of 0, a division by a zero count, "
-                 "an empty mask). Add an epsilon or a clamp to the loss."),
-                tensor="loss", cause=Cause.NUMERICS)]
-        if math.isnan(rows.loss):
-            return []
-        held = self._losses
-        past = list(held)
-        held.append(rows.loss)
-        if len(self._first_losses) < t.history_window:
-            self._first_losses.append(rows.loss)
-        count = len(past)
-        if count < min(t.history_min, t.history_window):
-            return []
-        median = statistics.median(past)
-        apart = [abs(v - median) for v in past]
-        spread = MAD_TO_SIGMA * max(statistics.median(apart), sum(apart) / count)
-        delta = rows.loss - median
-        # A loss near 0 late in a run triples on a batch with one hard example: the rise is
-        # judged against the loss's scale at the start of the run too.
-        scale = max(abs(median), abs(statistics.median(self._first_losses)))
-        spiked = delta > t.loss_sigma * spread and delta > t.loss_rise * scale
-        was = self._loss_spiking
-        self._loss_spiking = spiked or (was and delta > 0)
-        if not spiked or was:
-            return []
-        layer, tensor, where = self._events.recent_source(rows.step)
-        return [finding(
-            Issue.LOSS_SPIKE, Severity.WARNING, rows.step, layer,
-            (f"the loss jumped to {rows.loss:.4g} at step {rows.step}, against its median of "
-             f"{median:.4g} over the last {count} steps{where}. Check the batch "
-             "of that step and the learning rate; gradient clipping bounds such a step."),
-            tensor=tensor, value=rows.loss, threshold=median + t.loss_rise * scale,
-            cause=self._events.recent_cause(rows.step))]
 
 
 def _common_move(rows: StepRows, judged: np.ndarray, delta: np.ndarray, *, by_depth: bool
