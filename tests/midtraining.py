@@ -878,6 +878,14 @@ def lr_boost(at: int, factor: float = 1e4) -> Injected:
     return Injected("lr_boost", at, None, "optimizer", apply)
 
 
+def _groups_of(optimizer: Any, layer: str) -> list[dict[str, Any]]:
+    """The parameter groups of ``layer`` in an optimizer of :func:`run_torch`."""
+    groups = [g for g in optimizer.param_groups if g.get("name") == layer]
+    if not groups:
+        raise KeyError(f"no parameter group named {layer!r}")
+    return groups
+
+
 def freeze_layer(layer: str, at: int) -> Injected:
     """A freezing bug: the learning rate of ``layer``'s parameter group set to 0 from step
     ``at`` on (its ``base_lr``; AdamW's decoupled weight decay is scaled by it too, so the
@@ -887,10 +895,7 @@ def freeze_layer(layer: str, at: int) -> Injected:
     True source: ``layer``. Cause: ``optimizer``.
     """
     def apply(model: Any, optimizer: Any) -> None:
-        groups = [g for g in optimizer.param_groups if g.get("name") == layer]
-        if not groups:
-            raise KeyError(f"no parameter group named {layer!r}")
-        for group in groups:
+        for group in _groups_of(optimizer, layer):
             group["base_lr"] = 0.0
 
     return Injected("freeze_layer", at, layer, "optimizer", apply, ("torch",))
@@ -907,10 +912,7 @@ def lr_divide(layer: str, at: int, factor: float = 7.0) -> Injected:
     True source: ``layer``. Cause: ``optimizer``.
     """
     def apply(model: Any, optimizer: Any) -> None:
-        groups = [g for g in optimizer.param_groups if g.get("name") == layer]
-        if not groups:
-            raise KeyError(f"no parameter group named {layer!r}")
-        for group in groups:
+        for group in _groups_of(optimizer, layer):
             group["base_lr"] /= factor
 
     return Injected("lr_divide", at, layer, "optimizer", apply, ("torch",))

@@ -343,6 +343,25 @@ def test_a_shift_exactly_at_the_sustained_factor_fires_and_one_just_under_does_n
     assert [(f.step, f.layer, f.tensor, f.issue) for f in found] == expected
 
 
+def _with_and_without_quiet_steps(steps: list[list[Record]],
+                                  monkeypatch: pytest.MonkeyPatch) -> list[Finding]:
+    """The live findings of ``steps``, checked equal to those of the full rules alone (the
+    quiet step path switched off); both paths must have run many times."""
+    taken = []
+    quiet = History._quiet
+
+    def counted(self: History, rows: StepRows) -> bool:
+        taken.append(quiet(self, rows))
+        return taken[-1]
+
+    monkeypatch.setattr(History, "_quiet", counted)
+    found = live(steps)
+    assert 100 < sum(taken) < len(taken) - 50
+    monkeypatch.setattr(History, "_quiet", lambda self, rows: False)
+    assert found == live(steps) and len(found) > 10
+    return found
+
+
 def test_the_quiet_step_path_gives_the_full_rules_findings_near_every_threshold(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Moves on both sides of what a quiet step allows (half the smaller factor: 7.07x for
@@ -362,18 +381,9 @@ def test_the_quiet_step_path_gives_the_full_rules_findings_near_every_threshold(
             values[layer][what] = factor if what == "zero" else values[layer][what] * factor
 
     steps = run(400, edit=edit)
-    taken = []
-    quiet = History._quiet
-
-    def counted(self: History, rows: StepRows) -> bool:
-        taken.append(quiet(self, rows))
-        return taken[-1]
-
-    monkeypatch.setattr(History, "_quiet", counted)
-    found = live(steps)
-    assert 100 < sum(taken) < len(taken) - 50  # both paths ran, many times
-    monkeypatch.setattr(History, "_quiet", lambda self, rows: False)
-    assert found == live(steps) and len(found) > 10
+    found = _with_and_without_quiet_steps(steps, monkeypatch)
+    # the moves past the factors are reported, by every rule that judges a series
+    assert {f.issue for f in found} == {"exploding", "vanishing", "stalled", "update_too_large"}
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e-4])
@@ -417,17 +427,6 @@ def test_the_quiet_step_path_agrees_where_some_tensors_have_no_series(
             rows.append(sums_record(step, "fc2", "bias", "parameter", 2, "(64,)", 64,
                                     grad * 1e-6, 0.0, math.nan, math.nan, False, False,
                                     weight_norm=0.5, update_norm=0.0))
-    taken = []
-    quiet = History._quiet
-
-    def counted(self: History, rows: StepRows) -> bool:
-        taken.append(quiet(self, rows))
-        return taken[-1]
-
-    monkeypatch.setattr(History, "_quiet", counted)
-    found = live(steps)
-    assert 100 < sum(taken) < len(taken) - 50  # both paths ran, many times
-    monkeypatch.setattr(History, "_quiet", lambda self, rows: False)
-    assert found == live(steps) and len(found) > 10
+    found = _with_and_without_quiet_steps(steps, monkeypatch)
     # fc0's units die at its measured steps 360 and 365, four unmeasured steps apart
     assert ("fc0", "dead", 365) in {(f.layer, f.issue, f.step) for f in found}
