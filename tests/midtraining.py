@@ -921,8 +921,8 @@ def lr_divide(layer: str, at: int, factor: float = 7.0) -> Injected:
 def gradual_shrink(layer: str, at: int, factor: float = 3.0, steps: int = 3) -> Injected:
     """``layer``'s weight divided by ``factor`` before each of ``steps`` steps from ``at``:
     the weight falls ``factor ** steps`` times in all (27 at the defaults), never
-    ``history_factor`` (10) times from one step to the next, so the rule for weights edited
-    outside the optimizer, which compares consecutive steps, does not see it. Measured on
+    ``history_factor`` (10) times from one step to the next: the rule for weights edited
+    outside the optimizer sees it over its last ``history_sustain_steps`` steps. Measured on
     ``tanh_mlp``'s ``fc3`` at step 70 of a 500-step schedule: the gradients below it do not
     fall 27x (the loss rises and clipping rescales every gradient), they fall 4x net of the
     loss side, while ``fc3``'s own gradient rises 10x and its update/weight ratio 12.6x by

@@ -6,6 +6,7 @@ replay of a frame (diagnose), which must agree."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -430,3 +431,67 @@ def test_the_quiet_step_path_agrees_where_some_tensors_have_no_series(
     found = _with_and_without_quiet_steps(steps, monkeypatch)
     # fc0's units die at its measured steps 360 and 365, four unmeasured steps apart
     assert ("fc0", "dead", 365) in {(f.layer, f.issue, f.step) for f in found}
+
+
+# -- weights edited over several steps --------------------------------------------------------
+
+
+@pytest.mark.parametrize("updates", [True, False])
+def test_a_weight_divided_by_3_at_three_steps_is_an_edit_over_those_steps(updates: bool
+                                                                         ) -> None:
+    # 27x in all, never 10x from one step to the next. With the updates known (Adam-like:
+    # they keep their size) the update/weight ratio climbs 3x a step, and the run's noise
+    # takes it past the abrupt factor at 51, where the weight's own move (9x over two steps)
+    # explains it; without them (a loop that hands over gradients only) the weight's 27x
+    # over the three steps is reported at 52.
+    def edit(step: int, values: dict) -> None:
+        if step >= 50:
+            values["fc2"]["weight"] /= 3 ** min(step - 49, 3)
+        if not updates:
+            for layer in LAYERS:
+                values[layer]["update"] = math.nan
+
+    found = live(run(edit=edit))
+    step, moved = (51, r"8\.9\d") if updates else (52, r"26\.\d")
+    assert [(f.step, f.layer, f.tensor, f.cause) for f in found] == [
+        (step, "fc2", "weight", "layer")]
+    assert re.search(rf"shrank {moved}x over the \d recorded steps up to step {step}",
+                     found[0].message), found[0].message
+
+
+def test_a_ratio_that_jumps_because_its_weight_shrank_names_the_weight_not_the_optimizer(
+        ) -> None:
+    # the weight / 3 at steps 50 and 51 (9x, never 10x a step), the update 1.5x larger at 51:
+    # the ratio jumps 13.5x at 51, past the abrupt factor, but the weight explains most of it
+    def edit(step: int, values: dict) -> None:
+        if step >= 50:
+            values["fc2"]["weight"] /= 3 ** min(step - 49, 2)
+        if step == 51:
+            values["fc2"]["update"] *= 1.5
+
+    found = live(run(edit=edit))
+    assert [(f.step, f.layer, f.tensor, f.cause) for f in found] == [
+        (51, "fc2", "weight", "layer")]
+    assert re.search(r"shrank 8\.9\dx over the \d recorded steps up to step 51",
+                     found[0].message)
+
+
+def test_one_layers_update_that_jumps_with_its_weight_still_is_the_optimizer() -> None:
+    # its learning rate x20 at step 50: the ratio jumps 20x, the weight moves by a few percent
+    def edit(step: int, values: dict) -> None:
+        if step >= 50:
+            values["fc2"]["update"] *= 20
+            values["fc2"]["weight"] *= 1.05
+
+    found = live(run(edit=edit))
+    assert [(f.step, f.layer, f.issue, f.cause) for f in found] == [
+        (50, "fc2", "update_too_large", "optimizer")]
+
+
+def test_weights_that_grow_1_5x_a_step_for_three_steps_are_no_edit() -> None:
+    # 3.4x in three steps: the most a healthy weight norm moves (1.5x a step, measured)
+    def edit(step: int, values: dict) -> None:
+        if step >= 50:
+            values["fc2"]["weight"] *= 1.5 ** min(step - 49, 3)
+
+    assert [f for f in live(run(edit=edit)) if f.layer == "fc2" and f.cause == "layer"] == []

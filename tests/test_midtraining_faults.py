@@ -163,17 +163,7 @@ def _exact_ratio(run: m.Run, layer: str) -> pd.Series:
     return (rows["update_norm"] / rows["weight_norm"]).set_axis(rows["step"].to_numpy())
 
 
-SHRINK_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "a weight divided by 3 a step is never 10x from one step to the next, so the rule for "
-    "weights edited outside the optimizer misses it; the weight's update/weight ratio jumps "
-    "12.6x (torch; 17.5x Keras fit) at AT + 1 and the abrupt rule reports update_too_large "
-    "at fc3 with cause optimizer, whose cooldown then hides the sustained shift; the Keras "
-    "tape loop gives no finding at all (the gradients below fc3 fall about 4x net of the "
-    "loss side, under the sustained factor)"))
-
-
 @SLOW
-@SHRINK_XFAIL
 @pytest.mark.parametrize("framework", ["torch", "keras-fit", "keras-tape"])
 def test_a_weight_shrunk_3x_a_step_for_3_steps_is_reported_as_a_layer_edit(framework: str
                                                                           ) -> None:

@@ -156,6 +156,9 @@ class Thresholds:
             under it too) ...
         history_sustain_steps: ... for this many recorded steps (3: the shift is reported
             on its third step; with 4 or 5 steps the healthy largest factors are 8x and 3x).
+            A weight norm is also compared with those of this many recorded steps before
+            it, for ``history_factor``: a healthy one moves 1.5x in a step at most, 3.4x in
+            three.
         stall_floor: ``stalled`` when a parameter's update/weight ratio is at or below this
             (1e-8; an update of exactly 0 while its gradient is not) while the other layers'
             median ratio is at least 1000 times more.

@@ -30,6 +30,10 @@ Family = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """One family's moves at a step: the rows that newly left their baseline, their deltas (log10),
 their baselines' sizes, and every judged row."""
 
+Family3 = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""Every judged row of a family at one step: row indices, moves (log10), and the steps each
+move spans."""
+
 Sustained = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """The sustained shifts that became events at a step (see
 :mod:`~graddebug.detectors._sustained`): their rows, their moves against the frozen baselines
@@ -68,6 +72,10 @@ class Moves:
     ratio: Family
     ratio_shift: float = 0.0
     sustained: Sustained = _NO_SHIFT
+    weight_moves: Family3 = (np.empty(0, dtype=np.int64), np.empty(0),
+                             np.empty(0, dtype=np.int64))
+    """Every judged weight's largest move within the recent steps: rows, log10 deltas, and
+    the steps each took."""
 
 
 class EventBuilder:
@@ -160,11 +168,16 @@ class EventBuilder:
                        value=factor, threshold=self._t.history_factor, cause=Cause.OPTIMIZER)
 
     def _edited(self, rows: StepRows, moves: Moves) -> Finding | None:
-        at, delta, _, _ = moves.weight
+        at, delta, steps, _ = moves.weight
         if not len(at):
             return None
         pick = int(np.argmax(np.abs(delta)))
-        i = at[pick]
+        return self._edit(rows, moves, int(at[pick]), float(delta[pick]), int(steps[pick]))
+
+    def _edit(self, rows: StepRows, moves: Moves, i: int, delta: float, steps: int
+              ) -> Finding:
+        """The finding of weights (row ``i``) that moved by ``delta`` (log10) over ``steps``
+        recorded steps outside the optimizer."""
         layer, tensor = str(rows.layer[i]), str(rows.tensor[i])
         own = _same_tensor(rows, moves.ratio, layer, tensor)
         if own is not None and own < 0:
@@ -174,14 +187,15 @@ class EventBuilder:
         elif len(moves.ratio[0]):
             issue = _direction(moves.ratio[1], Issue.UPDATE_TOO_LARGE, Issue.STALLED)
         else:  # a weight far larger than before learns slowly; a far smaller one passes less
-            issue = Issue.STALLED if delta[pick] > 0 else Issue.VANISHING
-        factor = 10 ** abs(float(delta[pick]))
-        verb = "grew" if delta[pick] > 0 else "shrank"
+            issue = Issue.STALLED if delta > 0 else Issue.VANISHING
+        factor = 10 ** abs(delta)
+        verb = "grew" if delta > 0 else "shrank"
+        span = f"at step {rows.step}" if steps <= 1 else \
+            f"over the {steps} recorded steps up to step {rows.step}"
         effect = _effect(rows, moves)
-        message = (f"the weights of {layer}.{tensor} {verb} {fmt(factor)}x at step "
-                   f"{rows.step}, faster than any optimizer step moves them: they were "
-                   f"edited, reloaded or scaled outside the optimizer.{effect} "
-                   f"{_ADVICE[issue]}")
+        message = (f"the weights of {layer}.{tensor} {verb} {fmt(factor)}x {span}, faster "
+                   "than any optimizer step moves them: they were edited, reloaded or scaled "
+                   f"outside the optimizer.{effect} {_ADVICE[issue]}")
         return finding(issue, Severity.WARNING, rows.step, layer, message, tensor=tensor,
                        value=factor, threshold=self._t.history_factor, cause=Cause.LAYER)
 
@@ -212,6 +226,10 @@ class EventBuilder:
             pool = np.arange(len(at))
         pick = pool[int(np.argmax(rows.depth[at[pool]]))]
         i = at[pick]
+        if what != "gradient":
+            edit = self._weight_behind(rows, moves, int(i), float(delta[pick]))
+            if edit is not None:
+                return edit
         layer, tensor = str(rows.layer[i]), str(rows.tensor[i])
         up = delta[pick] > 0
         if what == "gradient":
@@ -227,6 +245,22 @@ class EventBuilder:
                    f"{int(count[pick])} steps.{tail} {_ADVICE[issue]}")
         return finding(issue, Severity.WARNING, rows.step, layer, message, tensor=tensor,
                        value=factor, threshold=self._t.history_factor, cause=cause)
+
+
+    def _weight_behind(self, rows: StepRows, moves: Moves, i: int, ratio: float
+                       ) -> Finding | None:
+        """An update/weight ratio that moved because its weights did: they moved the other
+        way by at least half as much (log10) within the recent steps, which no optimizer step
+        does (a weight divided by 3 at each of two steps makes Adam's next update 9x its
+        share); None where the update itself moved."""
+        rows_at, deltas, steps = moves.weight_moves
+        where = np.flatnonzero(rows_at == i)
+        if not len(where):
+            return None
+        moved = float(deltas[where[0]])
+        if moved * ratio >= 0 or 2 * abs(moved) < abs(ratio):
+            return None
+        return self._edit(rows, moves, i, moved, int(steps[where[0]]))
 
 
 def _sustained_finding(t: Thresholds, rows: StepRows, shifted: Sustained) -> Finding:

@@ -122,6 +122,14 @@ class Rings:
         ordered = np.sort(self._values[slots], axis=1)
         return np.asarray(0.5 * (ordered[:, (window - 1) // 2] + ordered[:, window // 2]))
 
+    def held(self, slots: np.ndarray) -> np.ndarray:
+        """Each slot's last ``window`` values, in ring order (NaN where fewer were pushed)."""
+        return np.asarray(self._values[slots])
+
+    def counts(self, slots: np.ndarray) -> np.ndarray:
+        """How many values each slot's series has been given."""
+        return np.asarray(self._count[slots])
+
     def push(self, slots: np.ndarray, values: np.ndarray) -> None:
         """Add one value to each slot's series (the oldest leaves a full ring)."""
         if not len(slots):

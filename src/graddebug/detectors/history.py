@@ -6,8 +6,9 @@ own gradient collapse while everything around it stays put, and a learning rate 
 moves every update at once. These rules follow, step by step:
 
 - the log10 of each gradient norm (layer outputs, taps, parameters),
-- the log10 of each parameter's update/weight ratio, and its weight norm against the last
-  recorded step's,
+- the log10 of each parameter's update/weight ratio, and its weight norm against those of
+  its last ``history_sustain_steps`` recorded steps (an edit outside the optimizer, at once
+  or over a few steps),
 - the loss, and the zero fraction of layer-output gradients,
 
 each against the median and the MAD of its own last ``history_window`` recorded steps, net of
@@ -30,7 +31,7 @@ import numpy as np
 
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
-from graddebug.detectors._events import COOLDOWN, EventBuilder, Family, Moves
+from graddebug.detectors._events import COOLDOWN, EventBuilder, Family, Family3, Moves
 from graddebug.detectors._loss import LossHistory
 from graddebug.detectors._series import Layout, Rings, Zeros, grown, median_of
 from graddebug.detectors._steprows import StepRows
@@ -63,7 +64,7 @@ class History:
         self._layout = Layout()
         self._rings = Rings(window)
         self._streaks = Streaks(thresholds.history_sustain_steps, thresholds.history_sigma)
-        self._weights = np.full(16, np.nan)
+        self._weights = Rings(thresholds.history_sustain_steps)
         self._steps_seen = 0
         self._events = EventBuilder(thresholds)
         self._loss = LossHistory(thresholds, self._events)
@@ -98,7 +99,7 @@ class History:
             size = 2 * len(self._layout)
             self._rings.reserve(size)
             self._streaks.reserve(size)
-            self._weights = grown(self._weights, size, np.nan)
+            self._weights.reserve(size)
             self._frozen = grown(self._frozen, size, False)
             self._zeros.reserve(size)
             self._calm = False
@@ -161,7 +162,8 @@ class History:
         if not (2 * size[:grads].max(initial=0.0) < self._quiet_grad
                 and 2 * size[grads:].max(initial=0.0) < self._quiet_ratio):
             return False
-        if not np.abs(logs - self._weights[weights]).max(initial=0.0) \
+        # NaN (a weight with fewer recorded steps than the window) fails the check too
+        if not np.abs(logs[:, None] - self._weights.held(weights)).max(initial=0.0) \
                 < math.log10(t.history_factor):
             return False
         zero = rows.zero_frac[layout.outputs]
@@ -176,7 +178,7 @@ class History:
                                 zero[measured])
         self._steps_seen += 1
         self._rings.push(slots, values)
-        self._weights[weights] = logs
+        self._weights.push(weights, logs)
         return True
 
     def _some_series(self, rows: StepRows, norm: np.ndarray, weight: np.ndarray,
@@ -278,33 +280,57 @@ class History:
             rows.step, dev.slots, values[dev.rows], dev.median, dev.spread, dev.count, shifts,
             sustain, state[dev.slots] == 0)
         grad, ratio = new[:split], new[split:]
+        edits, recent = self._edits(layout, param, weights)
         moves = Moves(
             grad=(judged[:split][grad], delta[:split][grad], dev.count[:split][grad],
                   judged[:split]),
-            weight=self._edits(layout, param, weights),
+            weight=edits,
+            weight_moves=recent,
             ratio=(judged[split:][ratio], delta[split:][ratio], dev.count[split:][ratio],
                    judged[split:]),
             ratio_shift=ratio_shift,
             sustained=(judged[done], move, count, start, done < split))
         return self._events.build(rows, moves)
 
-    def _edits(self, layout: Layout, where: np.ndarray, logs: np.ndarray) -> Family:
-        """Weights whose norm changed by ``history_factor`` since the last recorded step: no
-        optimizer step does that (a healthy weight norm moves by a few percent at most), an
-        edit, a reload or a bug outside the optimizer does."""
+    def _edits(self, layout: Layout, where: np.ndarray, logs: np.ndarray
+               ) -> tuple[Family, Family3]:
+        """Weights whose norm changed by ``history_factor`` within the last
+        ``history_sustain_steps`` recorded steps: no optimizer does that (a healthy weight
+        norm moves by 1.5x in a step at most, measured on tensors of 1024 entries and more),
+        an edit, a reload or a bug outside the optimizer does, at once or a few steps in a row
+        (a weight divided by 3 at three steps).
+
+        Returns:
+            The family of the weights that moved (their counts: the steps the move took), and
+            every judged weight's largest recent move (rows, log10 deltas, steps).
+        """
         t = self._t
         at = _where(where & np.isfinite(logs))
         ids = layout.ids[at]
-        last = self._weights[ids]
-        seen = ~np.isnan(last)
-        delta = logs[at][seen] - last[seen]
-        self._weights[ids] = logs[at]
+        window = self._weights.window
+        # The held values newest first: the move against 1, 2, ... recorded steps back.
+        back = np.arange(1, window + 1)
+        columns = (self._weights.counts(ids)[:, None] - back) % window
+        moved = logs[at][:, None] - np.take_along_axis(self._weights.held(ids), columns, 1)
+        size = np.abs(moved)
+        seen = ~np.isnan(size).all(axis=1)
+        # The most recent move past the factor (an edit at one step is that step's move),
+        # else the largest.
+        limit = math.log10(t.history_factor)
+        # A move is judged once the steps it spans were all recorded after the first
+        # history_min (a run's first steps move weights the most).
+        past = (size >= limit) & (back <= self._steps_seen - t.history_min)
+        pick = np.where(past.any(axis=1), past.argmax(axis=1),
+                        np.where(np.isnan(size), -1.0, size).argmax(axis=1))
+        delta = moved[np.arange(len(at)), pick][seen]
+        steps = (pick + 1)[seen]
+        self._weights.push(ids, logs[at])
         judged = at[seen]
         if self._steps_seen <= t.history_min:
             empty = np.empty(0, dtype=np.int64)
-            return empty, np.empty(0), empty, judged
-        new = np.abs(delta) >= math.log10(t.history_factor)
-        return judged[new], delta[new], np.ones(int(new.sum()), dtype=np.int64), judged
+            return (empty, np.empty(0), empty, judged), (judged, delta, steps)
+        new = past.any(axis=1)[seen]
+        return (judged[new], delta[new], steps[new], judged), (judged, delta, steps)
 
     # -- the optimizer stopped moving a layer -------------------------------------------------
 
