@@ -21,6 +21,7 @@ import numpy as np
 
 from graddebug.config import Thresholds
 from graddebug.detectors import finding, fmt
+from graddebug.detectors._series import median_of
 from graddebug.detectors._steprows import StepRows
 from graddebug.records import Cause, Finding, Issue, Kind, Severity
 
@@ -330,3 +331,25 @@ def _effect(rows: StepRows, moves: Moves) -> str:
         parts.append(f"the {what} at {where} {verb} {fmt(10 ** abs(float(delta[pick])))}x"
                      f"{count}")
     return (" At that step " + "; ".join(parts) + ".") if parts else ""
+
+
+def common_move(rows: StepRows, judged: np.ndarray, delta: np.ndarray, *, by_depth: bool
+                 ) -> float:
+    """What a step did to every series of a family at once (log10).
+
+    For gradients, the move of the gradient next to the loss (the deepest layer output, else
+    the deepest parameter): a batch that is harder than the others scales every gradient
+    behind the loss with it, while a change inside one layer moves only the gradients that
+    its backward feeds, below it, and leaves the one at the loss alone. For update/weight
+    ratios, the median move: a learning rate scales every update alike. 0 with fewer than 3
+    judged series.
+    """
+    if len(delta) < 3:
+        return 0.0
+    if not by_depth:
+        return median_of(delta)
+    kinds = rows.kind[judged]
+    pool = np.flatnonzero(kinds == _ACTIVATION)
+    if not len(pool):
+        pool = np.arange(len(judged))
+    return float(delta[pool[int(np.argmax(rows.depth[judged[pool]]))]])

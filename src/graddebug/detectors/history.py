@@ -31,7 +31,14 @@ import numpy as np
 
 from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
-from graddebug.detectors._events import COOLDOWN, EventBuilder, Family, Family3, Moves
+from graddebug.detectors._events import (
+    COOLDOWN,
+    EventBuilder,
+    Family,
+    Family3,
+    Moves,
+    common_move,
+)
 from graddebug.detectors._loss import LossHistory
 from graddebug.detectors._series import Layout, Rings, Zeros, grown, median_of
 from graddebug.detectors._steprows import StepRows
@@ -259,8 +266,8 @@ class History:
         self._rings.push(slots, values)
         judged = at[dev.rows]
         split = int(np.searchsorted(dev.rows, len(at_grad)))  # grads first, then ratios
-        shift = _common_move(rows, judged[:split], dev.delta[:split], by_depth=True)
-        ratio_shift = _common_move(rows, judged[split:], dev.delta[split:], by_depth=False)
+        shift = common_move(rows, judged[:split], dev.delta[:split], by_depth=True)
+        ratio_shift = common_move(rows, judged[split:], dev.delta[split:], by_depth=False)
         shifts = np.empty(len(dev.delta))
         shifts[:split], shifts[split:] = shift, ratio_shift
         delta = dev.delta - shifts
@@ -408,28 +415,6 @@ class History:
             tensor=tensor, value=frac, threshold=t.dead_fraction, cause=Cause.LAYER)]
 
     # -- the loss ----------------------------------------------------------------------------
-
-
-def _common_move(rows: StepRows, judged: np.ndarray, delta: np.ndarray, *, by_depth: bool
-                 ) -> float:
-    """What a step did to every series of a family at once (log10).
-
-    For gradients, the move of the gradient next to the loss (the deepest layer output, else
-    the deepest parameter): a batch that is harder than the others scales every gradient
-    behind the loss with it, while a change inside one layer moves only the gradients that
-    its backward feeds, below it, and leaves the one at the loss alone. For update/weight
-    ratios, the median move: a learning rate scales every update alike. 0 with fewer than 3
-    judged series.
-    """
-    if len(delta) < 3:
-        return 0.0
-    if not by_depth:
-        return median_of(delta)
-    kinds = rows.kind[judged]
-    pool = _where(kinds == _ACTIVATION)
-    if not len(pool):
-        pool = np.arange(len(judged))
-    return float(delta[pool[int(np.argmax(rows.depth[judged[pool]]))]])
 
 
 @hookimpl
