@@ -117,3 +117,88 @@ def test_a_backward_pass_compiled_apart_from_the_monitor_warns_and_then_sends_it
     # the first step's layer rows are lost with its compiled function; the retrace sends them
     assert sorted(set(acts["step"])) == list(range(1, STEPS))
     assert len(dbg.frame().query("kind == 'parameter'")) == 4 * STEPS
+
+
+def test_without_chains_the_rows_leave_the_step_in_the_optimizers_state_once_a_step():
+    model, x = MLP([4, 8, 8, 3], seed=2), batch()
+    tx = graddebug_jax.monitor(optax.adam(1e-3))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    traces = []
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        traces.append(1)
+        loss, grads = nnx.value_and_grad(square_loss)(model, x)
+        optimizer.update(model, grads)
+        return loss
+
+    with graddebug.watch(model, optimizer=tx, outputs=False) as dbg:
+        for i in range(STEPS):
+            step(model, optimizer, x)
+            assert dbg.adapter.has_pending()
+            dbg.step()
+            assert dbg.adapter.transfers == i + 1 and not dbg.adapter.has_pending()
+    assert len(traces) == 1
+    assert graddebug_jax.optax_monitor.monitor_of(tx).layout is not None  # no callback
+    # the state holds the last update's rows: the recorded norms are their square roots
+    state = optimizer.opt_state
+    assert isinstance(state, graddebug_jax.MonitorState)
+    last = dbg.frame().query(f"step == {STEPS - 1}")
+    np.testing.assert_allclose(np.sort(last["norm"].to_numpy() ** 2),
+                               np.sort(np.asarray(state.rows.get_value())[:, 0]), rtol=1e-6)
+    assert len(dbg.frame().query("kind == 'parameter'")) == 6 * STEPS
+
+
+def test_the_state_path_records_what_the_callback_path_records():
+    def run(outputs_free: bool):
+        model, x = MLP([4, 8, 8, 3], seed=2), batch()
+        tx = graddebug_jax.monitor(optax.sgd(0.1, momentum=0.9))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+        with graddebug.watch(model, optimizer=tx, outputs=not outputs_free) as dbg:
+            for _ in range(STEPS):
+                step(model, optimizer, x)
+                dbg.step()
+        return dbg.frame().query("kind == 'parameter'").reset_index(drop=True)
+
+    stored, sent = run(True), run(False)
+    assert list(stored["tensor"]) == list(sent["tensor"])
+    np.testing.assert_allclose(stored["norm"], sent["norm"], rtol=1e-6)
+    np.testing.assert_allclose(stored["update_norm"], sent["update_norm"], rtol=1e-6)
+
+
+def test_a_plain_optax_loop_keeps_its_state_and_sends_its_rows_by_callback_once_a_step():
+    params = {"w": jax.numpy.ones((4, 3)), "b": jax.numpy.zeros((3,))}
+    x = batch()
+    tx = graddebug_jax.monitor(optax.adam(1e-2))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        grads = jax.grad(lambda p: jax.numpy.mean((x @ p["w"] + p["b"]) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    with graddebug.watch(params=params, optimizer=tx) as dbg:
+        for i in range(STEPS):
+            params, opt_state = step(params, opt_state)
+            dbg.step()
+            assert dbg.adapter.transfers == i + 1
+    assert len(dbg.frame().query("kind == 'parameter'")) == 2 * STEPS
+
+
+@pytest.mark.parametrize(("value", "word"), [(np.inf, "Inf"), (np.nan, "NaN")])
+def test_the_input_check_travels_in_the_optimizers_state_beside_the_rows(value, word):
+    model = MLP([4, 8, 8, 1], seed=2)
+    tx = graddebug_jax.monitor(optax.sgd(0.0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+    with graddebug.watch(model, optimizer=tx, outputs=False) as dbg:
+        for i in range(3):
+            x = jax.random.normal(jax.random.PRNGKey(i), (16, 4))
+            step(model, optimizer, x.at[3, 1].set(value) if i == 1 else x)
+            dbg.step()
+    assert graddebug_jax.optax_monitor.monitor_of(tx).layout is not None
+    assert dbg.adapter.transfers == 3
+    events = dbg.events().query("event == 'input_nonfinite'")
+    assert events[["step", "tensor", "detail"]].values.tolist() == [[1, "args.0", word]]

@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING, Any
 from graddebug_jax._version import __version__
 
 if TYPE_CHECKING:
-    from graddebug_jax.optax_monitor import monitor
+    from graddebug_jax.optax_monitor import MonitorState, monitor
 
-__all__ = ["__version__", "monitor"]
+__all__ = ["MonitorState", "__version__", "monitor"]
 
 
 def __getattr__(name: str) -> Any:
     # Imported on first use: the entry point (graddebug_jax.plugin) loads this package in
     # every process that uses graddebug, and must not import JAX where the user has not.
-    if name == "monitor":
-        from graddebug_jax.optax_monitor import monitor
+    if name in ("monitor", "MonitorState"):
+        from graddebug_jax import optax_monitor
 
-        return monitor
+        return getattr(optax_monitor, name)
     raise AttributeError(f"module 'graddebug_jax' has no attribute {name!r}")

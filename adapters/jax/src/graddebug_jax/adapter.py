@@ -5,9 +5,11 @@ On attach it labels the watched modules and wraps their classes' ``__call__``
 (:mod:`.modules`); each output then passes through a ``jax.custom_vjp`` identity whose backward
 rule measures (and may alter) the cotangent (:mod:`.sites`). The statistics are computed inside
 the traced computation, eager or under ``jax.jit``/``nnx.jit``, and cross to the host once
-per recorded step (:mod:`.outlet`): under jit in one callback carried by the optax monitor's
-update, or by the backward pass where no monitor is bound; eager in one fetch when the step
-closes. :mod:`.closing` turns them into records when ``dbg.step()`` closes the step. Parameter
+per recorded step (:mod:`.outlet`): under jit in the optax monitor's state, which the close
+fetches (the monitor's rows and the input check, where an ``nnx.Optimizer`` keeps that
+state and no layer output is watched), else in one callback carried by the monitor's update,
+or by the backward pass where no monitor is bound; eager in one fetch when the step closes.
+:mod:`.closing` turns them into records when ``dbg.step()`` closes the step. Parameter
 gradients come from the optax monitor (``watch(optimizer=tx)``: the gradients, the weights and
 the applied updates) or from ``dbg.step(grads)`` (a pytree of gradients, one compiled
 reduction fetched with the step's other parcels).
@@ -176,12 +178,19 @@ class JaxAdapter(JaxTaps):
         (a pytree of gradients, or a list aligned with ``params=``)."""
         if self._settle() and self._patches is not None:
             self._patches.relabel()  # a new graph definition: nnx.jit traces again
-        if self._outlet.tied:  # the monitor's callback is done once its updates are applied
-            jax.block_until_ready(self._param_values())
+        stored = any(mon.layout is not None for mon in self._monitors)
+        if self._outlet.tied and not stored:  # the callback is done once the update is
+            jax.block_until_ready(self._param_values())  # applied
         if not record:
+            for mon in self._monitors:
+                mon.skip()
             self._rows.pending()
             self._rows.clear()
             return StepResult()
+        for mon in self._monitors:  # what updates stored in their state: the close's fetch
+            stored = mon.collect()
+            if stored is not None:
+                self._rows.hold(stored)
         if grads is not None:
             paths, leaves = self._given(grads)
             rows = given_rows(leaves, self._options.param_stats == "full")
@@ -189,6 +198,11 @@ class JaxAdapter(JaxTaps):
             self._rows.hold(Parcel([rows], lambda values: self._rows.add_params(
                 paths, shapes, values[0])))
         return self._rows.close(step)
+
+    def has_pending(self) -> bool:
+        """Whether rows arrived or wait since the last close, counting the statistics an
+        update stored in its optimizer's state (read without a transfer)."""
+        return any(mon.fresh() for mon in self._monitors) or super().has_pending()
 
     # -- capabilities -------------------------------------------------------------------------
 
