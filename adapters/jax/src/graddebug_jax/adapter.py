@@ -148,7 +148,7 @@ class JaxAdapter(JaxTaps):
         self._patches: Any = None
         self._param_vars: list[Any] | None = None
         self._monitors: list[Any] = []
-        self._names: dict[str, tuple[str, str, int]] = {}
+        self._names: dict[str, tuple[str, str, tuple[str, ...]]] = {}
 
     # -- Adapter protocol -------------------------------------------------------------------
 
@@ -355,24 +355,29 @@ class JaxAdapter(JaxTaps):
         return [path_name(p) for p, _ in with_paths], [leaf for _, leaf in with_paths]
 
     def _name_param(self, path: str) -> tuple[str, str, int]:
-        """``(layer, tensor, depth)`` of a parameter row, cached once its depth is known."""
+        """``(layer, tensor, depth)`` of a parameter row. The names are found once; the depth
+        is looked up again, along the owner's chain, until a layer of it has run forward (with
+        ``outputs=False`` none may: finding the names each step was most of the close)."""
         named = self._names.get(path)
         if named is None:
-            named = self._find_param(path)
-            if named[2] >= 0:
-                self._names[path] = named
-        return named
-
-    def _find_param(self, path: str) -> tuple[str, str, int]:
+            named = self._names[path] = self._find_param(path)
+        layer, tensor, chain = named
         if path in self._params:
-            return path, path, self._layers[path].depth
+            return layer, tensor, self._layers[path].depth
+        return layer, tensor, self._depth_of(chain)
+
+    def _find_param(self, path: str) -> tuple[str, str, tuple[str, ...]]:
+        """A parameter row's layer and tensor names, and the chain of layers whose depth is
+        its own (the owner, its ancestors, the root)."""
+        if path in self._params:
+            return path, path, ()
         if self._index is not None:
             layer, tensor = self._index.param_name(path)
             parts = layer.split(".")
-            chain = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-            return layer, tensor, self._depth_of([*chain, self._index.root])
+            chain = tuple(".".join(parts[:i]) for i in range(len(parts), 0, -1))
+            return layer, tensor, (*chain, self._index.root)
         layer, _, tensor = path.rpartition(".")
-        return (layer or path), (tensor or path), -1
+        return (layer or path), (tensor or path), ()
 
     def _model_layer_names(self) -> list[str]:
         """Every module name of the model, watched or not (for suggestions)."""
