@@ -66,8 +66,8 @@ class History:
         self._t = thresholds
         window = thresholds.history_window
         # Two rings per tensor (see Layout.ids): its log10 gradient norm and (parameters)
-        # update/weight ratio; the log10 weight norm is compared with the last recorded
-        # step's only (NaN: none yet).
+        # update/weight ratio; and a short one of its log10 weight norms, the last
+        # history_sustain_steps (see _edits).
         self._layout = Layout()
         self._rings = Rings(window)
         self._streaks = Streaks(thresholds.history_sustain_steps, thresholds.history_sigma)
