@@ -1,7 +1,7 @@
 """Sustained shifts: a series that stays beyond a smaller factor from its baseline for several
 recorded steps in a row, where an abrupt change would have to cross a large one at once.
 
-A gradient that falls 30x over three steps, or one layer's update/weight ratio that drops 5x
+A gradient that falls 70x over two steps, or one layer's update/weight ratio that drops 7x
 and stays there while the others keep learning, never crosses the abrupt factors
 (``history_grad_factor``, ``history_factor``) in one step; it is still no healthy move. A
 streak begins at the first step a series lies beyond ``history_sustain_grad_factor`` or
