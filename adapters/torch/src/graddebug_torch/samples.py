@@ -13,7 +13,6 @@ small tensors included.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from graddebug.sampling import sample_stride
 from graddebug_torch.params import TorchParam
 
 __all__ = ["FEWEST", "FRACTION", "MOST", "Group", "Layout", "Sample", "sample_sizes"]
@@ -91,26 +91,6 @@ def _level(ascending: Sequence[int], budget: int, most: int) -> int:
             return min(level, most)
         whole += n
     return most
-
-
-@functools.lru_cache(maxsize=4096)
-def _prime_from(n: int) -> int:
-    """The smallest prime that is at least ``n``."""
-    candidate = max(n, 2)
-    while any(candidate % d == 0 for d in range(2, math.isqrt(candidate) + 1)):
-        candidate += 1
-    return candidate
-
-
-def _stride(numel: int, k: int, rows: Sequence[int]) -> int:
-    """A prime stride that takes at most ``k`` of ``numel`` entries and divides none of the
-    row lengths ``rows`` (a stride that does would sample one column only); 1 for all."""
-    if k >= numel:
-        return 1
-    stride = _prime_from(-(-numel // k))
-    while any(r % stride == 0 for r in rows):
-        stride = _prime_from(stride + 1)
-    return stride
 
 
 def _flat(param: Tensor) -> tuple[Tensor, list[int]] | None:
@@ -248,7 +228,7 @@ class Sample:
     """The parameter's position among the adapter's watched parameters."""
     param: Tensor
     stride: int
-    """Its view holds every ``stride``-th entry (see :func:`_stride`)."""
+    """Its view holds every ``stride``-th entry (see :func:`graddebug.sampling.sample_stride`)."""
     scale: float
     """``sqrt(numel / k)``: from the sample's norm to the tensor's."""
     position: int
@@ -270,7 +250,7 @@ class Layout:
         members: dict[tuple[torch.device, torch.dtype, int], list[tuple[int, Tensor, int]]] = {}
         for (i, (entries, rows)), k in zip(found, sizes, strict=True):
             if k:
-                stride = _stride(entries.numel(), k, rows)
+                stride = sample_stride(entries.numel(), k, rows)
                 view = entries[::stride]
                 members.setdefault((view.device, view.dtype, view.numel()), []).append(
                     (i, view, stride))
