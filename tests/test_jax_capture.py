@@ -87,6 +87,34 @@ def test_parameter_rows_equal_jax_grad_with_weight_and_update_norms():
         np.testing.assert_allclose(row.update_norm, 0.1 * np.linalg.norm(ref[key]), rtol=1e-5)
 
 
+def test_large_weights_and_updates_are_measured_through_a_strided_sample():
+    # A 64 x 64 kernel (4096 entries) is read at every stride-th entry, as torch reads it;
+    # the estimate is the sample's sum of squares times numel / taken. Its gradient stays exact.
+    from graddebug.sampling import row_lengths, sample_stride
+    from graddebug_jax.stats import SAMPLE
+
+    model, x = MLP([4, 64, 64, 3]), batch()
+    kernel = np.asarray(model.layers[1].kernel.get_value())
+    grad = np.asarray(nnx.grad(square_loss)(model, x)["layers"][1]["kernel"].get_value())
+    tx = graddebug_jax.monitor(optax.sgd(0.1))
+    with graddebug.watch(model, optimizer=tx) as dbg:
+        train(model, tx, x, 1, dbg)
+    row = dbg.frame().query("kind == 'parameter' and layer == 'layers.1' "
+                            "and tensor == 'kernel'").iloc[0]
+    stride = sample_stride(kernel.size, SAMPLE, row_lengths(kernel.shape))
+    assert stride > 1
+
+    def estimate(a):
+        part = a.ravel()[::stride].astype(np.float64)
+        return np.sqrt((part ** 2).sum() * a.size / part.size)
+
+    np.testing.assert_allclose(row.weight_norm, estimate(kernel), rtol=1e-5)
+    np.testing.assert_allclose(row.update_norm, estimate(0.1 * grad), rtol=1e-5)
+    np.testing.assert_allclose(row.weight_norm, np.linalg.norm(kernel), rtol=0.1)
+    np.testing.assert_allclose(row.update_norm, 0.1 * np.linalg.norm(grad), rtol=0.1)
+    np.testing.assert_allclose(row.norm, np.linalg.norm(grad), rtol=1e-5)
+
+
 def test_no_observer_effect_weights_bitwise_identical_after_10_steps():
     x = batch()
     plain, watched = MLP([4, 32, 32, 3], seed=1), MLP([4, 32, 32, 3], seed=1)
