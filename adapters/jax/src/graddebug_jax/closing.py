@@ -3,12 +3,13 @@ when the step closes.
 
 Callbacks run on the runtime's thread while the user's Python goes on (JAX dispatches
 asynchronously), so a close first waits for them (``jax.effects_barrier()``), then fetches the
-parcels held from eager code (:mod:`.outlet`) in one ``jax.device_get``, and reads what
+parcels held from eager code (:mod:`.outlet`) in one transfer (:func:`_to_host`), and reads what
 arrived. A batch is appended whole, under a lock, so a close never sees half of one.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -49,6 +50,23 @@ class _ParamBatch:
 
 def _sqrt(value: float) -> float:
     return math.sqrt(value) if value >= 0 or math.isnan(value) else math.nan
+
+
+@functools.cache
+def _host_is_device() -> bool:
+    """Whether JAX computes on the CPU, where an array's buffer is host memory already."""
+    return jax.default_backend() == "cpu"
+
+
+def _to_host(arrays: list[Any]) -> list[np.ndarray]:
+    """The values of device arrays, in one transfer. An accelerator's arrays go through
+    ``jax.device_get``, which starts every copy before it waits for one; on the CPU
+    ``np.asarray`` reads each buffer where it is, since ``device_get`` there hands each array to
+    the runtime's copy thread first (on the 16-layer 512-wide MLP of the benchmark: 0.26 ms for
+    one small array, against 0.03 ms)."""
+    if _host_is_device():
+        return [np.asarray(a) for a in arrays]
+    return [np.asarray(a) for a in jax.device_get(arrays)]
 
 
 _JITTED: dict[bool, Any] = {}
@@ -114,15 +132,18 @@ class StepRows:
                     self._inputs.append((label, "NaN" if code == FORWARD_NAN else "Inf"))
 
     def _fetch(self) -> None:
-        """Land every held parcel, fetched in one ``jax.device_get``."""
+        """Land every held parcel, fetched in one transfer."""
         with self._lock:
             held, self._held = self._held, []
         if not held:
             return
-        values = jax.device_get([p.arrays for p in held])
+        values = _to_host([a for p in held for a in p.arrays])
         self.received()
-        for parcel, arrays in zip(held, values, strict=True):
-            parcel.land([np.asarray(a) for a in arrays])
+        at = 0
+        for parcel in held:
+            n = len(parcel.arrays)
+            parcel.land(values[at:at + n])
+            at += n
 
     # -- the close (the user's thread) ------------------------------------------------------
 
@@ -190,11 +211,13 @@ class StepRows:
         named = self._named.get(path)
         if named is None:
             layer, tensor, depth = self._namer(path)
-            named = (layer, tensor, depth, str(tuple(shape)),
-                     int(np.prod(shape)) if shape else 1)
-            if depth >= 0:  # the depth is known once the layer has run
-                self._named[path] = named
+            named = self._named[path] = (layer, tensor, depth, str(tuple(shape)),
+                                         math.prod(shape))
         layer, tensor, depth, shape_text, numel = named
+        if depth < 0:  # known once a layer of its chain has run forward (never, outputs=False)
+            depth = self._namer(path)[2]
+            if depth >= 0:
+                self._named[path] = (layer, tensor, depth, shape_text, numel)
         sumsq, total, absmax, weight_sumsq, update_sumsq = row
         nan = math.isnan(sumsq)  # a NaN entry makes the sum of squares NaN
         inf = math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sumsq)
