@@ -202,3 +202,109 @@ def test_the_input_check_travels_in_the_optimizers_state_beside_the_rows(value, 
     assert dbg.adapter.transfers == 3
     events = dbg.events().query("event == 'input_nonfinite'")
     assert events[["step", "tensor", "detail"]].values.tolist() == [[1, "args.0", word]]
+
+
+def _full_run(sizes, batches, monkeypatch=None, room=None):
+    """Train an MLP under one ``nnx.jit`` step with outputs watched, one step per batch; the
+    frame, the transfers, and how many times the step sent parcels by callback when traced."""
+    if room is not None:  # the room the optimizer's state gives, fixed when it is built
+        monkeypatch.setattr(graddebug_jax.optax_monitor, "extra_size", lambda count: room)
+    model = MLP(sizes, seed=2)
+    tx = graddebug_jax.monitor(optax.sgd(0.05, momentum=0.9))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    sends = []
+    real_send = graddebug_jax.outlet.send
+
+    def counting_send(*args, **kwargs):
+        sends.append(1)
+        return real_send(*args, **kwargs)
+
+    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graddebug_jax.outlet, "send", counting_send)
+        with graddebug.watch(model, optimizer=tx) as dbg:
+            for x in batches:
+                step(model, optimizer, x)
+                dbg.step()
+    return dbg, len(sends)
+
+
+def _reference_rows(sizes, batches):
+    """The layer-output gradient norms of the same training, eager and unwatched: each
+    layer's output perturbed by zeros, differentiated with jax.grad."""
+    model = MLP(sizes, seed=2)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
+    norms = []
+    for x in batches:
+        def loss_of(zs, model=model, x=x):
+            h = x
+            for i, layer in enumerate(model.layers):
+                h = layer(h) + zs[i]
+                if i < len(model.layers) - 1:
+                    h = model.act(h)
+            return jax.numpy.mean(h ** 2)
+
+        zeros = [jax.numpy.zeros((x.shape[0], b)) for b in sizes[1:]]
+        norms.append([float(np.linalg.norm(np.asarray(g))) for g in jax.grad(loss_of)(zeros)])
+        optimizer.update(model, nnx.grad(square_loss)(model, x))
+    return norms
+
+
+def _layer_norms(dbg, count):
+    acts = dbg.frame().query("kind == 'activation' and layer.str.startswith('layers.')")
+    return [list(acts.query(f"step == {s}").set_index("layer").loc[
+        [f"layers.{i}" for i in range(count)], "norm"]) for s in sorted(set(acts["step"]))]
+
+
+def test_the_layer_rows_leave_the_step_in_the_optimizers_state_with_no_callback():
+    sizes, batches = [4, 8, 8, 3], [batch(seed=s) for s in range(STEPS)]
+    dbg, sends = _full_run(sizes, batches)
+    assert sends == 0  # traced once, and nothing went by callback
+    assert dbg.adapter.transfers == STEPS
+    np.testing.assert_allclose(_layer_norms(dbg, 3), _reference_rows(sizes, batches),
+                               rtol=1e-5)
+
+
+def test_a_chain_the_state_has_no_room_for_goes_by_callback_with_the_same_rows(monkeypatch):
+    sizes, batches = [4, 8, 8, 3], [batch(seed=s) for s in range(STEPS)]
+    dbg, sends = _full_run(sizes, batches, monkeypatch, room=16)
+    assert sends == 1  # the one trace gathered its parcels into one callback
+    assert dbg.adapter.transfers == STEPS
+    np.testing.assert_allclose(_layer_norms(dbg, 3), _reference_rows(sizes, batches),
+                               rtol=1e-5)
+    assert len(dbg.frame().query("kind == 'parameter'")) == 6 * STEPS
+
+
+def test_steps_compiled_for_two_batch_shapes_in_turn_land_each_with_its_own_layout():
+    sizes = [4, 8, 8, 3]
+    batches = [batch(n=6 if s % 2 else 11, seed=s) for s in range(2 * STEPS)]
+    dbg, sends = _full_run(sizes, batches)
+    assert sends == 0
+    np.testing.assert_allclose(_layer_norms(dbg, 3), _reference_rows(sizes, batches),
+                               rtol=1e-5)
+    shapes = dbg.frame().query("layer == 'layers.0' and kind == 'activation'")["shape"]
+    assert list(shapes) == ["(11, 8)", "(6, 8)"] * STEPS
+
+
+@pytest.mark.parametrize(("handed", "sends"), [("optimizer", 0), ("tx", 1)])
+def test_the_nnx_optimizer_handed_to_watch_keeps_the_rows_where_init_did_not_find_it(
+        handed, sends):
+    model, x = MLP([4, 8, 8, 3], seed=2), batch()
+    tx = graddebug_jax.monitor(optax.adam(1e-3))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graddebug_jax.optax_monitor.monitor_of(tx).owner = None  # as if init had not seen it
+    sent = []
+    real_send = graddebug_jax.outlet.send
+    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graddebug_jax.outlet, "send", lambda *a, **k: sent.append(1) or
+                      real_send(*a, **k))
+        with graddebug.watch(model, optimizer=optimizer if handed == "optimizer" else tx
+                             ) as dbg:
+            for i in range(STEPS):
+                step(model, optimizer, x)
+                dbg.step()
+                assert dbg.adapter.transfers == i + 1
+    assert len(sent) == sends
+    assert len(dbg.frame().query("kind == 'parameter'")) == 6 * STEPS
+    assert len(dbg.frame().query("kind == 'activation'")) == 3 * STEPS  # layers.0-2

@@ -208,8 +208,8 @@ class JaxAdapter(JaxTaps):
 
     def take_gradients(self, optimizer: Any) -> None:
         """Record the gradients, weights and updates of an optax :func:`~graddebug_jax.monitor`
-        transformation (or of an ``nnx.Optimizer`` built with one) until ``detach``
-        (:class:`graddebug.adapter.GradientSource`).
+        transformation (or of an ``nnx.Optimizer`` built with one, which then keeps the
+        statistics in its state) until ``detach`` (:class:`graddebug.adapter.GradientSource`).
 
         Raises:
             ConfigError: ``optimizer`` is not built on ``graddebug_jax.monitor``.
@@ -221,6 +221,8 @@ class JaxAdapter(JaxTaps):
                 "transformation: wrap it, tx = graddebug_jax.monitor(optax.adam(1e-3)), build "
                 "the nnx.Optimizer from tx and pass optimizer=tx; or hand the gradients to "
                 "dbg.step(grads).")
+        if isinstance(optimizer, nnx.Optimizer):  # the state's keeper, named by the user
+            mon.adopt(optimizer)
         mon.bind(self._on_update, self._options.param_stats == "full", self._outlet)
         self._outlet.carried = True
         # The close can wait for the update's output only where it sees the parameters.

@@ -7,16 +7,20 @@ It wraps ``inner`` as optax's own wrappers do (``optax.apply_if_finite``,
 statistics of the last update. Bind it to a Watcher with ``graddebug.watch(model,
 optimizer=tx)``; unbound, it measures nothing. Its statistics are computed inside the
 compiled step, and its update is the step's carrier (:mod:`.outlet`). Where an
-``nnx.Optimizer`` holds its state (the optimizer that called ``init``) and no backward pass's
-chain waits in the trace, the parameter rows and the parcels waiting beside them (the input
-check) leave the step as that state, which ``nnx.jit`` writes back without waiting: no host
-callback, which would make the step run synchronously (measured in :mod:`.outlet`); the close
-fetches them (:meth:`Monitor.collect`). Elsewhere (chains, a plain optax loop that keeps the
-state itself) they reach the host in one callback per update.
+``nnx.Optimizer`` holds its state (the optimizer that called ``init``), the parameter rows and
+every parcel waiting beside them in the trace (the backward pass's layer-output rows, the
+input check) leave the step as that state, which ``nnx.jit`` writes back without waiting: no
+host callback, which would make the step run synchronously (measured in :mod:`.outlet`); the
+close fetches them (:meth:`Monitor.collect`). The state's room for them is fixed when the
+optimizer is built, before the model is traced (:func:`extra_size`), so that the step never
+retraces for it; a trace whose parcels do not fit, a chain of more layer outputs than the
+room holds, sends them as it does elsewhere (a plain optax loop that keeps the state itself):
+in one callback per update.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -30,13 +34,25 @@ from flax import nnx
 
 from graddebug_jax.modules import path_name
 from graddebug_jax.outlet import Land, Outlet, Parcel
-from graddebug_jax.stats import PARAM_COLUMNS, param_rows
+from graddebug_jax.stats import ACT_COLUMNS, PARAM_COLUMNS, param_rows
 
-__all__ = ["Monitor", "MonitorState", "monitor", "monitor_of"]
+__all__ = ["Monitor", "MonitorState", "extra_size", "monitor", "monitor_of"]
 
 EXTRA = 64
-"""Room in :attr:`MonitorState.extra` for the parcels that travel with the parameter rows
-(the input check's codes, one per input of the model)."""
+"""Room in :attr:`MonitorState.extra`, beyond the layer-output rows', for the parcels that
+travel with the parameter rows (the input check's codes, one per input of the model)."""
+
+LAYER_ROOM = 32
+"""Layer-output rows :attr:`MonitorState.extra` holds beyond two per parameter: a Flax layer
+owns one or two parameters and a container none, so that a model whose layers own parameters
+fits with room to spare; one of many parameter-free modules (dropout, activations) may not,
+and sends its rows by callback."""
+
+
+def extra_size(count: int) -> int:
+    """The length of :attr:`MonitorState.extra` for ``count`` parameters: the layout key, room
+    for ``2 * count + LAYER_ROOM`` layer-output rows, and :data:`EXTRA`."""
+    return 1 + len(ACT_COLUMNS) * (2 * count + LAYER_ROOM) + EXTRA
 
 
 class MonitorState(NamedTuple):
@@ -46,8 +62,9 @@ class MonitorState(NamedTuple):
         inner: ``inner``'s state.
         rows: The last update's parameter rows, ``(parameters, 5)`` float32 (zeros before the
             first update, and where the rows went by callback).
-        extra: The other statistics of the last update's step, flattened into ``EXTRA``
-            float32 values.
+        extra: The other statistics of the last update's step, flattened into
+            :func:`extra_size` float32 values: first the key of their layout (0: none stored,
+            they went by callback), then each parcel's arrays.
     """
 
     inner: Any
@@ -75,6 +92,9 @@ class Monitor:
         """The ``nnx.Optimizer`` that called ``init``: the close reads the state from it."""
         self.layout: list[_Stored] | None = None
         """Where the last trace stored its parcels in the state (None: it sent them)."""
+        self._layouts: dict[int, list[_Stored]] = {}
+        """The layouts of the traces that stored, by the key each writes first in ``extra``:
+        several compiled versions of a step (other shapes) may run in turn."""
         self._seen: Any = None
 
     def bind(self, sink: ParamSink | None, full: bool = False, outlet: Outlet | None = None
@@ -85,6 +105,16 @@ class Monitor:
         stored = self._stored()
         self._seen = stored[0] if stored is not None else None  # older rows are not news
 
+    def adopt(self, optimizer: Any) -> None:
+        """Read the statistics from ``optimizer``'s state: an ``nnx.Optimizer`` built on this
+        transformation, handed to ``watch(optimizer=...)``; :meth:`init` finds the one that
+        calls it, so this matters only where that failed."""
+        self.owner = weakref.ref(optimizer)
+
+    def _keeper(self) -> Any:
+        """The ``nnx.Optimizer`` that keeps this transformation's state, if known and alive."""
+        return self.owner() if self.owner is not None else None
+
     def _land(self, paths: list[str], values: Any) -> None:
         sink = self.sink  # read when the step runs: one compiled step serves any binding
         if sink is not None:
@@ -94,14 +124,15 @@ class Monitor:
         """``inner``'s state and room for the statistics."""
         # The caller's frame is the only place the nnx.Optimizer that keeps this state shows
         # itself (it calls init from its constructor): neither the model nor the traced
-        # update leads back to it.
+        # update leads back to it. watch(optimizer=<the nnx.Optimizer>) names it outright
+        # (adopt); found neither way, the statistics go by callback.
         caller = sys._getframe(1).f_locals.get("self")
         if isinstance(caller, nnx.Optimizer):
             self.owner = weakref.ref(caller)
         count = len(jax.tree_util.tree_leaves(params))
         return MonitorState(self.inner.init(params),
                             jnp.zeros((count, len(PARAM_COLUMNS)), jnp.float32),
-                            jnp.zeros((EXTRA,), jnp.float32))
+                            jnp.zeros((extra_size(count),), jnp.float32))
 
     def update(self, updates: Any, state: MonitorState, params: Any = None, **extra: Any
                ) -> tuple[Any, MonitorState]:
@@ -122,42 +153,44 @@ class Monitor:
         if outlet is None:  # traced unbound: a later binding still hears of it
             self.layout = None
             jax.debug.callback(lambda values: self._land(paths, values), rows)
-            return new_updates, state._replace(inner=new_inner)
+            return new_updates, MonitorState(new_inner, state.rows, jnp.zeros_like(state.extra))
         parcel = Parcel([rows], lambda values: self._land(paths, values[0]))
-        stored = self._store(outlet, parcel, rows.shape == state.rows.shape)
+        stored = self._store(outlet, parcel, rows.shape == state.rows.shape,
+                             int(jnp.size(state.extra)))
         if stored is not None:
             return new_updates, MonitorState(new_inner, rows, stored)
-        return new_updates, state._replace(inner=outlet.gather(parcel, new_inner))
+        # Sent: key 0 tells the close that this step's state holds nothing new.
+        return new_updates, MonitorState(outlet.gather(parcel, new_inner), state.rows,
+                                         jnp.zeros_like(state.extra))
 
-    def _store(self, outlet: Outlet, own: Parcel, fits: bool) -> Any:
-        """The ``extra`` of the state that carries ``own`` and the parcels of its trace, and
-        their layout recorded; None where they go by callback (eager, no optimizer keeps the
-        state, a chain waits, or they do not fit)."""
-        owner = self.owner() if self.owner is not None else None
-        if owner is None or not fits or not isinstance(own.arrays[0], jax.core.Tracer):
+    def _store(self, outlet: Outlet, own: Parcel, fits: bool, room: int) -> Any:
+        """The ``extra`` of the state that carries ``own``'s trace's other parcels (``own`` is
+        the state's ``rows``), their layout recorded under the key it starts with; None where
+        they go by callback (eager, no optimizer keeps the state, or they do not fit)."""
+        if self._keeper() is None or not fits or not isinstance(own.arrays[0], jax.core.Tracer):
             self.layout = None
             return None
-        others = outlet.take_unchained(own)
-        if others is None:
-            self.layout = None
-            return None
-        others = others[:-1]
+        others = outlet.take_trace(own)
         flat = [jnp.ravel(a).astype(jnp.float32) for p in others for a in p.arrays]
-        size = sum(int(f.size) for f in flat)
-        if size > EXTRA:
+        size = 1 + sum(int(f.size) for f in flat)
+        if size > room:
             for parcel in others:  # back to waiting: the callback takes them
                 outlet.post(parcel)
             self.layout = None
             return None
         self.layout = [_Stored(p.land, [(tuple(a.shape), a.dtype) for a in p.arrays])
                        for p in [own, *others]]
-        return jnp.concatenate([*flat, jnp.zeros((EXTRA - size,), jnp.float32)])
+        key = max(self._layouts, default=0) % _KEYS + 1
+        self._layouts[key] = self.layout
+        if len(self._layouts) > _LAYOUTS:
+            del self._layouts[next(iter(self._layouts))]  # the oldest trace's
+        return jnp.concatenate([jnp.full((1,), key, jnp.float32), *flat,
+                                jnp.zeros((room - size,), jnp.float32)])
 
     def _stored(self) -> tuple[Any, Any] | None:
         """The ``rows`` and ``extra`` arrays in the owner's state now (no transfer), or None
         where no ``nnx.Optimizer`` holds a :class:`MonitorState`."""
-        owner = self.owner() if self.owner is not None else None
-        state = getattr(owner, "opt_state", None)
+        state = getattr(self._keeper(), "opt_state", None)
         if not isinstance(state, MonitorState):
             return None
         rows, extra = state.rows, state.extra
@@ -167,19 +200,20 @@ class Monitor:
     def collect(self) -> Parcel | None:
         """What the last compiled update stored in its ``nnx.Optimizer``'s state, as a parcel
         for the close's one fetch; None if no update stored anything since the last call."""
-        layout, stored = self.layout, self._stored()
-        if layout is None or stored is None:
+        stored = self._stored()
+        if not self._layouts or stored is None:
             return None
         rows, extra = stored
         if rows is self._seen or isinstance(rows, jax.core.Tracer):
             return None
         self._seen = rows  # nnx.jit writes a new array each step: the identity tells
-        return Parcel([rows, extra], lambda values: _unstore(layout, values))
+        layouts = self._layouts
+        return Parcel([rows, extra], lambda values: _unstore(layouts, values))
 
     def fresh(self) -> bool:
         """Whether an update stored statistics that :meth:`collect` has not taken."""
         stored = self._stored()
-        return self.layout is not None and stored is not None and stored[0] is not self._seen
+        return bool(self._layouts) and stored is not None and stored[0] is not self._seen
 
     def skip(self) -> None:
         """Forget what the last update stored (a step ``every=`` does not record)."""
@@ -194,16 +228,29 @@ class _Stored(NamedTuple):
     arrays: list[tuple[tuple[int, ...], Any]]
 
 
-def _unstore(layout: list[_Stored], values: Any) -> None:
-    """Land the stored parcels: the first is the monitor's own rows, the others lie one after
-    the other in ``extra``."""
+_KEYS = 1 << 24
+"""Layout keys run from 1 to this and wrap: a float32 holds every integer up to it exactly."""
+
+_LAYOUTS = 64
+"""The most layouts kept: a step compiled for more shapes than this in turn loses the rows of
+the oldest."""
+
+
+def _unstore(layouts: dict[int, list[_Stored]], values: Any) -> None:
+    """Land the stored parcels of the layout whose key ``extra`` starts with (none for key 0,
+    a step that sent them): the first is the monitor's own rows, the others lie one after the
+    other in ``extra``."""
+    extra = np.asarray(values[1])
+    layout = layouts.get(int(extra[0])) if extra.size else None
+    if layout is None:
+        return
     own, *others = layout
     own.land([np.asarray(values[0])])
-    at, extra = 0, np.asarray(values[1])
+    at = 1
     for stored in others:
         arrays = []
         for shape, dtype in stored.arrays:
-            n = int(np.prod(shape))
+            n = math.prod(shape)
             arrays.append(extra[at:at + n].reshape(shape).astype(dtype))
             at += n
         stored.land(arrays)

@@ -5,11 +5,10 @@ optax monitor's update, Keras's loss) hands a :class:`Parcel` to the adapter's :
 What the outlet does with it depends on where it was made:
 
 - **Eager** (the arrays are concrete): the parcel is held, and the step's close fetches every
-  held parcel in one ``jax.device_get``.
+  held parcel in one transfer.
 - **Traced** (inside ``jax.jit``/``nnx.jit``): the parcel waits in the trace until a *carrier*
-  gathers every parcel of that trace, into one host callback or, where no chain is among
-  them, into the optax monitor's state (:meth:`Outlet.take_unchained`,
-  :mod:`.optax_monitor`). The carrier is the optimizer's
+  gathers every parcel of that trace, into one host callback or into the optax monitor's
+  state (:meth:`Outlet.take_trace`, :mod:`.optax_monitor`). The carrier is the optimizer's
   update (the optax monitor, Keras's ``stateless_apply``) where one is bound, since it runs
   after the backward pass in the same compiled step; else the backward pass's last sink.
   A traced parcel that no carrier gathered (the update compiled apart from the backward pass)
@@ -39,9 +38,10 @@ model's graph, about 1-2 ms here) no longer overlaps the computation. Measured o
 benchmark's step (400 interleaved steps): the same parameter reductions returned as outputs
 cost 2-5% over plain, and with one tied ``pure_callback`` 18-33%. Hence the monitor's state:
 an ``nnx.Optimizer`` writes it back out of ``nnx.jit`` like any output, and the close fetches
-it. It works where the sizes are known when the optimizer is built (the parameter rows, the
-few input codes); a backward pass's chain is sized only when the model is traced, and a state
-whose shapes changed would retrace the step, so chains still leave by callback. Measured with
+it. A state whose shapes changed would retrace the step, so its room is fixed when the
+optimizer is built, from the parameters' count (:func:`.optax_monitor.extra_size`): the
+parameter rows, the input codes, and the layer-output rows of a backward pass's chain where
+they fit, which a chain is sized only once the model is traced. Measured with
 ``benchmarks/overhead_jax.py`` (interleaved runs, 2-core CPU), ``params`` configuration:
 MLP 1.52-1.53x with the callback, 1.23-1.24x with the state; transformer 1.24-1.30x and
 1.19-1.21x.
@@ -212,17 +212,10 @@ class Outlet:
             return
         send([*self._take(_trace(chain)), chain], self._received, None, self._on_bug)
 
-    def take_unchained(self, own: Parcel) -> list[Parcel] | None:
-        """``own`` and the parcels waiting in its trace, no longer waiting, where none is a
-        chain (their sizes are known only once the model is traced); else None, and they
-        stay for :meth:`gather`."""
-        trace = _trace(own)
-        with self._lock:
-            mine = [p for t, p in self._waiting if t is trace]
-            if any(p.chain for p in mine):
-                return None
-            self._waiting = [(t, p) for t, p in self._waiting if t is not trace]
-        return [*mine, own]
+    def take_trace(self, own: Parcel) -> list[Parcel]:
+        """The parcels waiting in ``own``'s trace, no longer waiting (for a carrier that
+        stores them instead of sending them)."""
+        return self._take(_trace(own))
 
     def _take(self, trace: Any) -> list[Parcel]:
         """The parcels waiting in ``trace``, no longer waiting."""
