@@ -308,3 +308,45 @@ def test_the_nnx_optimizer_handed_to_watch_keeps_the_rows_where_init_did_not_fin
     assert len(sent) == sends
     assert len(dbg.frame().query("kind == 'parameter'")) == 6 * STEPS
     assert len(dbg.frame().query("kind == 'activation'")) == 3 * STEPS  # layers.0-2
+
+
+def test_after_the_with_block_the_step_traced_again_measures_nothing_and_sends_nothing():
+    model, x = MLP([4, 8, 8, 3], seed=2), batch()
+    twin = MLP([4, 8, 8, 3], seed=2)
+    tx = graddebug_jax.monitor(optax.adam(1e-3))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    plain = nnx.Optimizer(twin, optax.adam(1e-3), wrt=nnx.Param)
+    traces = []
+
+    @nnx.jit
+    def step(m, o, x):
+        traces.append(1)
+        o.update(m, nnx.grad(square_loss)(m, x))
+
+    with graddebug.watch(model, optimizer=tx) as dbg:
+        for _ in range(2):
+            step(model, optimizer, x)
+            dbg.step()
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jax.debug, "callback", lambda *a, **k: calls.append(1))
+        patch.setattr(jax, "pure_callback", lambda *a, **k: calls.append(1))
+        for _ in range(3):
+            step(model, optimizer, x)
+    assert len(traces) == 2 and calls == []  # traced again without the patches, no callback
+    for _ in range(5):
+        step(twin, plain, x)
+    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)),
+                    jax.tree_util.tree_leaves(nnx.state(twin, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_step_compiled_before_a_watch_without_model_warns_that_it_measures_nothing():
+    model, x = MLP([4, 8, 3], seed=2), batch()
+    tx = graddebug_jax.monitor(optax.sgd(0.1))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+    step(model, optimizer, x)
+    with pytest.warns(GradDebugWarning, match="compiled before watch"):
+        with graddebug.watch(params={"w": jax.numpy.ones(3)}, optimizer=optimizer):
+            pass

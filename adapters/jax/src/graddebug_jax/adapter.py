@@ -223,6 +223,12 @@ class JaxAdapter(JaxTaps):
                 "dbg.step(grads).")
         if isinstance(optimizer, nnx.Optimizer):  # the state's keeper, named by the user
             mon.adopt(optimizer)
+        if mon.silent and self._index is None:
+            self._ctx.warn_once("jax-silent", (
+                "graddebug: the optimizer's update was compiled before watch() began, with no "
+                "Watcher to report to, and measures nothing; with no model given, nnx.jit has "
+                "no reason to trace it again. Pass the model, watch(model, optimizer=...), or "
+                "compile the step inside the with block."))
         mon.bind(self._on_update, self._options.param_stats == "full", self._outlet)
         self._outlet.carried = True
         # The close can wait for the update's output only where it sees the parameters.

@@ -96,6 +96,8 @@ class Monitor:
         """The layouts of the traces that stored, by the key each writes first in ``extra``:
         several compiled versions of a step (other shapes) may run in turn."""
         self._seen: Any = None
+        self.silent = False
+        """Whether an update was traced with no Watcher bound and measures nothing."""
 
     def bind(self, sink: ParamSink | None, full: bool = False, outlet: Outlet | None = None
              ) -> None:
@@ -139,6 +141,17 @@ class Monitor:
         """``inner``'s update, bit for bit; the parameter rows and the parcels waiting in the
         trace stored in the state or sent in one callback."""
         new_updates, new_inner = self.inner.update(updates, state.inner, params, **extra)
+        if self.outlet is None:
+            traced = any(isinstance(leaf, jax.core.Tracer)
+                         for leaf in jax.tree_util.tree_leaves(updates))
+            if not traced or self._keeper() is not None:
+                # No Watcher bound: measure nothing, eager (a later binding hears of the next
+                # step) or for an nnx.Optimizer (entering watch(model) changes the model's
+                # graph, so nnx.jit traces the step again). The callback below would make
+                # every step after the with block synchronous: 1.8x the plain step.
+                self.silent = self.silent or traced
+                return new_updates, MonitorState(new_inner, state.rows,
+                                                 jnp.zeros_like(state.extra))
         with_paths, _ = jax.tree_util.tree_flatten_with_path(updates)
         paths = [path_name(path) for path, _ in with_paths]
         grads = [leaf for _, leaf in with_paths]
@@ -150,7 +163,7 @@ class Monitor:
                           self.full)
 
         outlet = self.outlet
-        if outlet is None:  # traced unbound: a later binding still hears of it
+        if outlet is None:  # a plain optax loop traced unbound: a later binding hears of it
             self.layout = None
             jax.debug.callback(lambda values: self._land(paths, values), rows)
             return new_updates, MonitorState(new_inner, state.rows, jnp.zeros_like(state.extra))
