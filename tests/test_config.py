@@ -79,3 +79,11 @@ def test_watch_options_defaults_are_the_watchers_after_checking() -> None:
     for name in WATCH_OPTIONS:
         assert getattr(options, name) == getattr(fresh, name), name
     assert options.thresholds == Thresholds()
+
+
+def test_an_optimizer_with_no_model_and_no_params_is_a_typed_error() -> None:
+    class Opt:
+        pass
+
+    with pytest.raises(ConfigError, match=r"optimizer=Opt was given with no model and no params="):
+        Watcher(optimizer=Opt())

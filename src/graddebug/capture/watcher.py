@@ -80,6 +80,11 @@ class Watcher(RunResults):
             strict=strict, log_dir=log_dir, flush_every=flush_every,
             plugin_manager=plugin_manager, tensorboard=tensorboard, ops=ops, escalate=escalate,
             full_stats_every=full_stats_every)
+        if model is None and options.params is None and options.optimizer is not None:
+            raise ConfigError(
+                f"optimizer={type(options.optimizer).__name__} was given with no model and no "
+                "params=, so nothing says which adapter records its gradients: "
+                "watch(model, optimizer=...), or watch(params={...}, optimizer=...).")
         if model is None and (options.ops or options.escalate):
             option = "ops" if options.ops else "escalate"
             raise ConfigError(
