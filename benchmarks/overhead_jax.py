@@ -13,17 +13,26 @@ Configurations, each an ``nnx.jit`` train step with optax Adam:
 - ``full``: ``watch(model, optimizer=monitor(tx))``: the above and every layer output
   (target 1.30).
 
-Workloads: an MLP (8 Linear layers of 256 units, batch 64) and a small Flax NNX transformer
-(2 pre-norm blocks, width 64, 4 heads, sequence 32, batch 8). Each step waits for its result
-(``block_until_ready``) and the watched one closes its graddebug step, so both sides pay one
-synchronisation a step.
+Workloads, in two sizes:
+
+- ``mlp-512`` and ``transformer-256``: the shapes of the torch and TF benchmarks' MLP and
+  transformer, so that the three frameworks' ratios compare: 16 Linear layers of 512 units,
+  batch 128; 4 post-norm encoder blocks (width 256, 4 heads, feed-forward 1024), sequence 64,
+  batch 16.
+- ``mlp-256`` and ``transformer-64``: steps of a few milliseconds, where the per-step costs
+  (``dbg.step()``'s fixed work, ``nnx.jit``'s Python) weigh most: 8 Linear layers of 256 units,
+  batch 64; 2 pre-norm blocks (width 64, 4 heads), sequence 32, batch 8.
+
+Each step waits for its result (``block_until_ready``) and the watched one closes its graddebug
+step, so both sides pay one synchronisation a step.
 
 Where the watched step's time goes: ``close ms`` is the median time of ``dbg.step()``, of
 which ``adapter ms`` is spent in the adapter's close (fetching and turning rows into records)
 and the rest in the Watcher (buffer, live rules, notices); the remainder of the difference to
 the plain step is inside the compiled step (the reductions and the one host callback).
 
-Run ``python benchmarks/overhead_jax.py`` (``--rounds``, ``--pairs``, ``--json PATH``).
+Run ``python benchmarks/overhead_jax.py`` (``--rounds``, ``--pairs``, ``--workloads``,
+``--json PATH``).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 import graddebug
@@ -99,9 +109,38 @@ class Transformer(nnx.Module):
         return self.head(x)
 
 
+class EncoderBlock(nnx.Module):
+    """A post-norm encoder block, as torch's ``TransformerEncoderLayer`` (ReLU, no dropout)."""
+
+    def __init__(self, rngs: nnx.Rngs, width: int = 256, heads: int = 4, ff: int = 1024) -> None:
+        self.attn = nnx.MultiHeadAttention(heads, width, decode=False, rngs=rngs)
+        self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, ff, rngs=rngs)
+        self.down = nnx.Linear(ff, width, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.norm1(x + self.attn(x))
+        return self.norm2(x + self.down(jax.nn.relu(self.up(x))))
+
+
+class Encoder(nnx.Module):
+    """Four encoder blocks of width 256, the torch and TF benchmarks' transformer."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.blocks = nnx.List([EncoderBlock(rngs) for _ in range(4)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 WORKLOADS: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], tuple[int, ...]]] = {
-    "mlp": (MLP, (64, 256)),
-    "transformer": (Transformer, (8, 32, 64)),
+    "mlp-512": (lambda rngs: MLP(rngs, depth=16, width=512), (128, 512)),
+    "transformer-256": (Encoder, (16, 64, 256)),
+    "mlp-256": (MLP, (64, 256)),
+    "transformer-64": (Transformer, (8, 32, 64)),
 }
 
 
@@ -202,9 +241,17 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--pairs", type=int, default=30)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
+                        default=list(WORKLOADS))
     args = parser.parse_args(argv)
-    results = [bench(w, c, args.rounds, args.pairs)
-               for w in WORKLOADS for c in ("floor", "params", "full")]
+    results = []
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("benchmarking", total=3 * len(args.workloads))
+        for w in args.workloads:
+            for c in ("floor", "params", "full"):
+                progress.update(task, description=f"{w} {c}")
+                results.append(bench(w, c, args.rounds, args.pairs))
+                progress.advance(task)
     table = Table(title="graddebug JAX overhead (watched / plain step time, nnx.jit)")
     for column in ("workload", "config", "ratio", "95% interval", "plain ms", "watched ms",
                    "close ms", "adapter ms", "target", "result"):

@@ -60,8 +60,8 @@ class MonitorState(NamedTuple):
 
     Attributes:
         inner: ``inner``'s state.
-        rows: The last update's parameter rows, ``(parameters, 5)`` float32 (zeros before the
-            first update, and where the rows went by callback).
+        rows: The last stored update's parameter rows, ``(parameters, 5)`` float32 (zeros
+            before the first; an update that sent its rows by callback leaves them).
         extra: The other statistics of the last update's step, flattened into
             :func:`extra_size` float32 values: first the key of their layout (0: none stored,
             they went by callback), then each parcel's arrays.
