@@ -40,8 +40,8 @@ cost 2-5% over plain, and with one tied ``pure_callback`` 18-33%. Hence the moni
 an ``nnx.Optimizer`` writes it back out of ``nnx.jit`` like any output, and the close fetches
 it. A state whose shapes changed would retrace the step, so its room is fixed when the
 optimizer is built, from the parameters' count (:func:`.optax_monitor.extra_size`): the
-parameter rows, the input codes, and the layer-output rows of a backward pass's chain where
-they fit, which a chain is sized only once the model is traced. Measured with
+parameter rows, the input codes, and a backward pass's layer-output rows where they fit (a
+chain's size is known only once the model is traced). Measured with
 ``benchmarks/overhead_jax.py`` (interleaved runs, 2-core CPU), ``params`` configuration:
 MLP 1.52-1.53x with the callback, 1.23-1.24x with the state; transformer 1.24-1.30x and
 1.19-1.21x.
