@@ -347,6 +347,6 @@ def test_a_step_compiled_before_a_watch_without_model_warns_that_it_measures_not
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
     step(model, optimizer, x)
-    with pytest.warns(GradDebugWarning, match="compiled before watch"):
-        with graddebug.watch(params={"w": jax.numpy.ones(3)}, optimizer=optimizer):
-            pass
+    with pytest.warns(GradDebugWarning, match="compiled before watch"), \
+            graddebug.watch(params={"w": jax.numpy.ones(3)}, optimizer=optimizer):
+        pass
