@@ -350,3 +350,27 @@ def test_a_step_compiled_before_a_watch_without_model_warns_that_it_measures_not
     with pytest.warns(GradDebugWarning, match="compiled before watch"), \
             graddebug.watch(params={"w": jax.numpy.ones(3)}, optimizer=optimizer):
         pass
+
+
+def test_a_bug_in_landing_the_stored_rows_is_an_internal_error_and_training_goes_on(
+        monkeypatch):
+    model, x = MLP([4, 8, 8, 3], seed=2), batch()
+    tx = graddebug_jax.monitor(optax.adam(1e-3))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+
+    def broken(layouts, values):
+        raise RuntimeError("boom in landing")
+
+    with pytest.warns(GradDebugWarning, match="boom in landing"), \
+            graddebug.watch(model, optimizer=tx) as dbg:
+        step(model, optimizer, x)
+        dbg.step()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(graddebug_jax.optax_monitor, "_unstore", broken)
+            step(model, optimizer, x)
+            assert dbg.step().records == []  # the step's rows are lost, not the run
+        step(model, optimizer, x)
+        dbg.step()
+    assert sorted(set(dbg.frame()["step"])) == [0, 2]
+    assert list(dbg.findings()["issue"]) == ["internal_error"]

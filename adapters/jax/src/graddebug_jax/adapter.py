@@ -143,7 +143,7 @@ class JaxAdapter(JaxTaps):
             context.warn_once("jax-keep", (
                 "graddebug: keep= is not supported by the JAX adapter yet; the kept layers "
                 "get rows, not dense gradients."))
-        self._rows = StepRows(self._name_param)
+        self._rows = StepRows(self._name_param, self._fail_open("step"))
         self._open()
         self._patches: Any = None
         self._param_vars: list[Any] | None = None

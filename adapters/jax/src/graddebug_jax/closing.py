@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from graddebug.adapter import StepResult
+from graddebug.capture.layers import FailOpen
 from graddebug.records import Event, EventKind, Kind, Record, sums_record
 from graddebug_jax.outlet import Parcel
 from graddebug_jax.sites import Site
@@ -86,10 +87,13 @@ class StepRows:
 
     Args:
         namer: Names a parameter path.
+        guard: The adapter's fail-open guard of the close: a bug in landing the parcels or
+            building the records loses the step's rows, never the user's training.
     """
 
-    def __init__(self, namer: ParamNamer) -> None:
+    def __init__(self, namer: ParamNamer, guard: FailOpen) -> None:
         self._namer = namer
+        self._guard = guard
         self._layers: list[tuple[list[Site], np.ndarray]] = []
         self._params: list[_ParamBatch] = []
         self._inputs: list[tuple[str, str]] = []  # (tensor, "NaN" | "Inf") of bad inputs
@@ -160,7 +164,14 @@ class StepRows:
             self._layers, self._params, self._inputs, self._held = [], [], [], []
 
     def close(self, step: int) -> StepResult:
-        """The records and events of everything that arrived or was held; then clear."""
+        """The records and events of everything that arrived or was held; then clear. A bug
+        in here is an ``internal_error`` and an empty step."""
+        with self._guard:
+            return self._close(step)
+        self.clear()  # what a parcel landed before the bug must not reach the next step
+        return StepResult()
+
+    def _close(self, step: int) -> StepResult:
         jax.effects_barrier()
         self._fetch()
         with self._lock:

@@ -71,7 +71,7 @@ class KerasJaxAdapter(JaxTaps):
         self._index = KerasLayers(model)
         self._targets = self._add_layers(self._index.named,
                                          self._index.select(options.layers), channels_first)
-        self._rows = StepRows(self._name_param)
+        self._rows = StepRows(self._name_param, self._fail_open("step"))
         self._open()
         self._loss: float | None = None  # the loss of the batch trained last, once landed
         self._wrapped: list[Wrapped] = []
