@@ -68,3 +68,18 @@ def linear_outputs(model: MLP, x: jax.Array) -> list[jax.Array]:
         if i < len(model.layers) - 1:
             x = model.act(x)
     return outs
+
+
+def train_step(traces: list[int] | None = None) -> Any:
+    """An ``nnx.jit`` step ``(model, optimizer, x) -> loss`` that trains on
+    :func:`square_loss`; each trace appends to ``traces`` where given."""
+
+    @nnx.jit
+    def step(model: Any, optimizer: Any, x: jax.Array) -> jax.Array:
+        if traces is not None:
+            traces.append(1)
+        loss, grads = nnx.value_and_grad(square_loss)(model, x)
+        optimizer.update(model, grads)
+        return loss
+
+    return step

@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import graddebug  # noqa: E402
 import graddebug_jax  # noqa: E402
 from graddebug.errors import ConfigError, GradientCountError, UnknownNameError  # noqa: E402
-from jax_models import MLP, batch, linear_outputs, square_loss  # noqa: E402
+from jax_models import MLP, batch, linear_outputs, square_loss, train_step  # noqa: E402
 
 
 def reference_cotangents(model, x):
@@ -34,14 +34,7 @@ def reference_cotangents(model, x):
 def train(model, tx, x, steps, dbg=None):
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     traces = []
-
-    @nnx.jit
-    def step(model, optimizer, x):
-        traces.append(1)
-        loss, grads = nnx.value_and_grad(square_loss)(model, x)
-        optimizer.update(model, grads)
-        return loss
-
+    step = train_step(traces)
     for _ in range(steps):
         loss = step(model, optimizer, x)
         if dbg is not None:

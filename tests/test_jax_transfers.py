@@ -13,7 +13,7 @@ optax = pytest.importorskip("optax")
 import graddebug  # noqa: E402
 import graddebug_jax  # noqa: E402
 from graddebug.errors import GradDebugWarning  # noqa: E402
-from jax_models import MLP, batch, square_loss  # noqa: E402
+from jax_models import MLP, batch, square_loss, train_step  # noqa: E402
 
 STEPS = 4
 
@@ -124,14 +124,7 @@ def test_without_chains_the_rows_leave_the_step_in_the_optimizers_state_once_a_s
     tx = graddebug_jax.monitor(optax.adam(1e-3))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     traces = []
-
-    @nnx.jit
-    def step(model, optimizer, x):
-        traces.append(1)
-        loss, grads = nnx.value_and_grad(square_loss)(model, x)
-        optimizer.update(model, grads)
-        return loss
-
+    step = train_step(traces)
     with graddebug.watch(model, optimizer=tx, outputs=False) as dbg:
         for i in range(STEPS):
             step(model, optimizer, x)
@@ -154,7 +147,7 @@ def test_the_state_path_records_what_the_callback_path_records():
         model, x = MLP([4, 8, 8, 3], seed=2), batch()
         tx = graddebug_jax.monitor(optax.sgd(0.1, momentum=0.9))
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-        step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+        step = train_step()
         with graddebug.watch(model, optimizer=tx, outputs=not outputs_free) as dbg:
             for _ in range(STEPS):
                 step(model, optimizer, x)
@@ -192,7 +185,7 @@ def test_the_input_check_travels_in_the_optimizers_state_beside_the_rows(value, 
     model = MLP([4, 8, 8, 1], seed=2)
     tx = graddebug_jax.monitor(optax.sgd(0.0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+    step = train_step()
     with graddebug.watch(model, optimizer=tx, outputs=False) as dbg:
         for i in range(3):
             x = jax.random.normal(jax.random.PRNGKey(i), (16, 4))
@@ -219,7 +212,7 @@ def _full_run(sizes, batches, monkeypatch=None, room=None):
         sends.append(1)
         return real_send(*args, **kwargs)
 
-    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+    step = train_step()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(graddebug_jax.outlet, "send", counting_send)
         with graddebug.watch(model, optimizer=tx) as dbg:
@@ -295,7 +288,7 @@ def test_the_nnx_optimizer_handed_to_watch_keeps_the_rows_where_init_did_not_fin
     graddebug_jax.optax_monitor.monitor_of(tx).owner = None  # as if init had not seen it
     sent = []
     real_send = graddebug_jax.outlet.send
-    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+    step = train_step()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(graddebug_jax.outlet, "send", lambda *a, **k: sent.append(1) or
                       real_send(*a, **k))
@@ -317,12 +310,7 @@ def test_after_the_with_block_the_step_traced_again_measures_nothing_and_sends_n
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     plain = nnx.Optimizer(twin, optax.adam(1e-3), wrt=nnx.Param)
     traces = []
-
-    @nnx.jit
-    def step(m, o, x):
-        traces.append(1)
-        o.update(m, nnx.grad(square_loss)(m, x))
-
+    step = train_step(traces)
     with graddebug.watch(model, optimizer=tx) as dbg:
         for _ in range(2):
             step(model, optimizer, x)
@@ -345,7 +333,7 @@ def test_a_step_compiled_before_a_watch_without_model_warns_that_it_measures_not
     model, x = MLP([4, 8, 3], seed=2), batch()
     tx = graddebug_jax.monitor(optax.sgd(0.1))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+    step = train_step()
     step(model, optimizer, x)
     with pytest.warns(GradDebugWarning, match="compiled before watch"), \
             graddebug.watch(params={"w": jax.numpy.ones(3)}, optimizer=optimizer):
@@ -357,7 +345,7 @@ def test_a_bug_in_landing_the_stored_rows_is_an_internal_error_and_training_goes
     model, x = MLP([4, 8, 8, 3], seed=2), batch()
     tx = graddebug_jax.monitor(optax.adam(1e-3))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(square_loss)(m, x)))
+    step = train_step()
 
     def broken(layouts, values):
         raise RuntimeError("boom in landing")
