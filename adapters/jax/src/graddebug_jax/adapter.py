@@ -6,9 +6,10 @@ On attach it labels the watched modules and wraps their classes' ``__call__``
 rule measures (and may alter) the cotangent (:mod:`.sites`). The statistics are computed inside
 the traced computation, eager or under ``jax.jit``/``nnx.jit``, and cross to the host once
 per recorded step (:mod:`.outlet`): under jit in the optax monitor's state, which the close
-fetches (the monitor's rows and the input check, where an ``nnx.Optimizer`` keeps that
-state and no layer output is watched), else in one callback carried by the monitor's update,
-or by the backward pass where no monitor is bound; eager in one fetch when the step closes.
+fetches (the monitor's rows, the layer-output rows and the input check, where an
+``nnx.Optimizer`` keeps that state and they fit its room), else in one callback carried by the
+monitor's update, or by the backward pass where no monitor is bound; eager in one fetch when
+the step closes.
 :mod:`.closing` turns them into records when ``dbg.step()`` closes the step. Parameter
 gradients come from the optax monitor (``watch(optimizer=tx)``: the gradients, the weights and
 the applied updates) or from ``dbg.step(grads)`` (a pytree of gradients, one compiled
@@ -51,8 +52,9 @@ _KEEPS_FINITE: tuple[type, ...] = (nnx.Dropout,)
 class JaxTaps(BaseAdapter):
     """What every adapter that records through JAX's identities shares (this one, and Keras
     on the JAX backend): ``dbg.tap``, the pending check and the check of the model's inputs.
-    Subclasses set ``_chains``, ``_rows``, ``_outlet`` and ``_tapper`` (who taps, for the
-    error of a wrong tensor)."""
+    Subclasses name their parameter rows (``_name_param``), build the rows, the outlet and the
+    chains with ``_open()`` and drop them with ``_shut()``, and may set ``_tapper`` (who taps,
+    for the error of a wrong tensor)."""
 
     _chains: Chains
     _rows: StepRows
@@ -92,10 +94,21 @@ class JaxTaps(BaseAdapter):
             check_inputs([a for _, a in floating], [label for label, _ in floating],
                          self._rows.add_inputs, self._outlet)
 
+    def _name_param(self, path: str) -> tuple[str, str, int]:
+        """``(layer, tensor, depth)`` of a parameter row (:data:`.closing.ParamNamer`)."""
+        raise NotImplementedError
+
     def _open(self) -> None:
         """The rows, the outlet and the chains of a new adapter."""
+        self._rows = StepRows(self._name_param, self._fail_open("step"))
         self._outlet = Outlet(self._rows.received, self._rows.hold, self._ctx.internal_error)
         self._chains = Chains(self._rows.add_layers, self._ctx.internal_error, self._outlet)
+
+    def _shut(self) -> None:
+        """Forget what the rows, the outlet and the chains hold (detach)."""
+        self._chains.reset()
+        self._outlet.reset()
+        self._rows.clear()
 
     def _settle(self) -> bool:
         """Before a close: drop the parcels no carrier gathered. Where one was a chain, the
@@ -143,7 +156,6 @@ class JaxAdapter(JaxTaps):
             context.warn_once("jax-keep", (
                 "graddebug: keep= is not supported by the JAX adapter yet; the kept layers "
                 "get rows, not dense gradients."))
-        self._rows = StepRows(self._name_param, self._fail_open("step"))
         self._open()
         self._patches: Any = None
         self._param_vars: list[Any] | None = None
@@ -168,10 +180,7 @@ class JaxAdapter(JaxTaps):
         for mon in self._monitors:
             mon.bind(None)
         self._monitors.clear()
-        self._chains.reset()
-        self._outlet.reset()
-        self._outlet.carried = self._outlet.tied = False
-        self._rows.clear()
+        self._shut()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Wait for the callbacks, turn what arrived into records, add the rows of ``grads``
@@ -188,9 +197,9 @@ class JaxAdapter(JaxTaps):
             self._rows.clear()
             return StepResult()
         for mon in self._monitors:  # what updates stored in their state: the close's fetch
-            stored = mon.collect()
-            if stored is not None:
-                self._rows.hold(stored)
+            parcel = mon.collect()
+            if parcel is not None:
+                self._rows.hold(parcel)
         if grads is not None:
             paths, leaves = self._given(grads)
             rows = given_rows(leaves, self._options.param_stats == "full")

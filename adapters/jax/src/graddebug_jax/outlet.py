@@ -238,6 +238,7 @@ class Outlet:
         self.carried = False
 
     def reset(self) -> None:
-        """Forget the waiting parcels (detach)."""
+        """Forget the waiting parcels and the carrier (detach)."""
         with self._lock:
             self._waiting = []
+        self.carried = self.tied = False

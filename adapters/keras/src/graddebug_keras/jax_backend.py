@@ -41,7 +41,7 @@ from graddebug.adapter import StepResult, WatchContext, WatchOptions
 from graddebug.capture.layers import LayerSpec
 from graddebug.errors import ConfigError, GradDebugError, GradientCountError
 from graddebug_jax.adapter import JaxTaps
-from graddebug_jax.closing import StepRows, given_rows
+from graddebug_jax.closing import given_rows
 from graddebug_jax.modules import floating_leaves
 from graddebug_jax.outlet import Parcel
 from graddebug_jax.sites import probe
@@ -71,7 +71,6 @@ class KerasJaxAdapter(JaxTaps):
         self._index = KerasLayers(model)
         self._targets = self._add_layers(self._index.named,
                                          self._index.select(options.layers), channels_first)
-        self._rows = StepRows(self._name_param, self._fail_open("step"))
         self._open()
         self._loss: float | None = None  # the loss of the batch trained last, once landed
         self._wrapped: list[Wrapped] = []
@@ -116,10 +115,7 @@ class KerasJaxAdapter(JaxTaps):
             self._wrapped.pop().restore()
         self._optimizers.clear()
         self._reset_compiled()
-        self._chains.reset()
-        self._outlet.reset()
-        self._outlet.carried = self._outlet.tied = False
-        self._rows.clear()
+        self._shut()
         self._loss = None
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
