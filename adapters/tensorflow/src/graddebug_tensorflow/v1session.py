@@ -3,12 +3,14 @@ hold in a ``session.run`` (:class:`GraphStats`), and the ``MonitoredTrainingSess
 fetches them every step (:class:`SessionHook`).
 
 :class:`~.v1graph.V1GraphAdapter` builds the fetches; a session returns them with numpy values
-in place of the tensors, which ``dbg.step()`` turns into records.
+in place of the tensors, which ``dbg.step()`` turns into records. This module imports nothing of
+:mod:`.v1graph`, not even for type checking: the hook knows the adapter as a :class:`Fetches`,
+the one method it calls.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import tensorflow as tf
 
@@ -16,9 +18,8 @@ from graddebug.errors import GradDebugError
 
 if TYPE_CHECKING:
     from graddebug.adapter import WatchContext
-    from graddebug_tensorflow.v1graph import V1GraphAdapter
 
-__all__ = ["GraphStats", "SessionHook", "in_v1_graph"]
+__all__ = ["Fetches", "GraphStats", "SessionHook", "in_v1_graph"]
 
 
 def _v1_graph(graph: Any) -> bool:
@@ -57,6 +58,15 @@ class GraphStats(NamedTuple):
     kept: Any
 
 
+class Fetches(Protocol):
+    """What builds graddebug's fetches in a v1 graph (:class:`~.v1graph.V1GraphAdapter`)."""
+
+    def fetches(self, grads: Any) -> GraphStats:
+        """The fetches of the taps in the default graph and of the ``params=`` gradients
+        ``grads``."""
+        ...
+
+
 class SessionHook(tf.compat.v1.train.SessionRunHook):
     """Records a step in every ``run`` of a ``MonitoredTrainingSession``:
     ``MonitoredTrainingSession(hooks=[dbg.session_hook()])``.
@@ -70,7 +80,7 @@ class SessionHook(tf.compat.v1.train.SessionRunHook):
         grads: As for :meth:`~.v1graph.V1GraphAdapter.fetches`.
     """
 
-    def __init__(self, context: WatchContext, adapter: V1GraphAdapter, grads: Any) -> None:
+    def __init__(self, context: WatchContext, adapter: Fetches, grads: Any) -> None:
         self._ctx = context
         self._adapter = adapter
         self._grads = grads
