@@ -132,7 +132,7 @@ def test_without_chains_the_rows_leave_the_step_in_the_optimizers_state_once_a_s
             dbg.step()
             assert dbg.adapter.transfers == i + 1 and not dbg.adapter.has_pending()
     assert len(traces) == 1
-    assert graddebug_jax.optax_monitor.monitor_of(tx).layout is not None  # no callback
+    assert graddebug_jax.updates.monitor_of(tx).layout is not None  # no callback
     # the state holds the last update's rows: the recorded norms are their square roots
     state = optimizer.opt_state
     assert isinstance(state, graddebug_jax.MonitorState)
@@ -191,7 +191,7 @@ def test_the_input_check_travels_in_the_optimizers_state_beside_the_rows(value, 
             x = jax.random.normal(jax.random.PRNGKey(i), (16, 4))
             step(model, optimizer, x.at[3, 1].set(value) if i == 1 else x)
             dbg.step()
-    assert graddebug_jax.optax_monitor.monitor_of(tx).layout is not None
+    assert graddebug_jax.updates.monitor_of(tx).layout is not None
     assert dbg.adapter.transfers == 3
     events = dbg.events().query("event == 'input_nonfinite'")
     assert events[["step", "tensor", "detail"]].values.tolist() == [[1, "args.0", word]]
@@ -201,12 +201,12 @@ def _full_run(sizes, batches, monkeypatch=None, room=None):
     """Train an MLP under one ``nnx.jit`` step with outputs watched, one step per batch; the
     frame, the transfers, and how many times the step sent parcels by callback when traced."""
     if room is not None:  # the room the optimizer's state gives, fixed when it is built
-        monkeypatch.setattr(graddebug_jax.optax_monitor, "extra_size", lambda count: room)
+        monkeypatch.setattr(graddebug_jax.updates, "extra_size", lambda count: room)
     model = MLP(sizes, seed=2)
     tx = graddebug_jax.monitor(optax.sgd(0.05, momentum=0.9))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     sends = []
-    real_send = graddebug_jax.outlet.send
+    real_send = graddebug_jax.transport.send
 
     def counting_send(*args, **kwargs):
         sends.append(1)
@@ -214,7 +214,7 @@ def _full_run(sizes, batches, monkeypatch=None, room=None):
 
     step = train_step()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(graddebug_jax.outlet, "send", counting_send)
+        patch.setattr(graddebug_jax.transport, "send", counting_send)
         with graddebug.watch(model, optimizer=tx) as dbg:
             for x in batches:
                 step(model, optimizer, x)
@@ -285,12 +285,12 @@ def test_the_nnx_optimizer_handed_to_watch_keeps_the_rows_where_init_did_not_fin
     model, x = MLP([4, 8, 8, 3], seed=2), batch()
     tx = graddebug_jax.monitor(optax.adam(1e-3))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    graddebug_jax.optax_monitor.monitor_of(tx).owner = None  # as if init had not seen it
+    graddebug_jax.updates.monitor_of(tx).owner = None  # as if init had not seen it
     sent = []
-    real_send = graddebug_jax.outlet.send
+    real_send = graddebug_jax.transport.send
     step = train_step()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(graddebug_jax.outlet, "send", lambda *a, **k: sent.append(1) or
+        patch.setattr(graddebug_jax.transport, "send", lambda *a, **k: sent.append(1) or
                       real_send(*a, **k))
         with graddebug.watch(model, optimizer=optimizer if handed == "optimizer" else tx
                              ) as dbg:
@@ -355,7 +355,7 @@ def test_a_bug_in_landing_the_stored_rows_is_an_internal_error_and_training_goes
         step(model, optimizer, x)
         dbg.step()
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(graddebug_jax.optax_monitor, "_unstore", broken)
+            patch.setattr(graddebug_jax.updates, "_unstore", broken)
             step(model, optimizer, x)
             assert dbg.step().records == []  # the step's rows are lost, not the run
         step(model, optimizer, x)

@@ -2,10 +2,10 @@
 and optax optimizers wrapped by :func:`graddebug_jax.monitor`.
 
 On attach it labels the watched modules and wraps their classes' ``__call__``
-(:mod:`.modules`); each output then passes through a ``jax.custom_vjp`` identity whose backward
-rule measures (and may alter) the cotangent (:mod:`.sites`). The statistics are computed inside
+(:mod:`.model`); each output then passes through a ``jax.custom_vjp`` identity whose backward
+rule measures (and may alter) the cotangent (:mod:`.outputs`). The statistics are computed inside
 the traced computation, eager or under ``jax.jit``/``nnx.jit``, and cross to the host once
-per recorded step (:mod:`.outlet`): under jit in the optax monitor's state, which the close
+per recorded step (:mod:`.transport`): under jit in the optax monitor's state, which the close
 fetches (the monitor's rows, the layer-output rows and the input check, where an
 ``nnx.Optimizer`` keeps that state and they fit its room), else in one callback carried by the
 monitor's update, or by the backward pass where no monitor is bound; eager in one fetch when
@@ -32,13 +32,14 @@ import numpy as np
 from flax import nnx
 
 from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.adapter.protocol import GradientSource, TrainStep
 from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError, GradDebugError, GradientCountError
 from graddebug_jax.closing import StepRows, given_rows
-from graddebug_jax.modules import ModelIndex, floating_leaves, patch_calls, path_name
-from graddebug_jax.optax_monitor import monitor_of
-from graddebug_jax.outlet import Outlet, Parcel
-from graddebug_jax.sites import Chains, check_inputs, probe
+from graddebug_jax.model import ModelIndex, floating_leaves, patch_calls, path_name
+from graddebug_jax.outputs import Chains, check_inputs, probe
+from graddebug_jax.transport import Outlet, Parcel
+from graddebug_jax.updates import monitor_of
 
 __all__ = ["JaxAdapter", "JaxTaps"]
 
@@ -84,7 +85,7 @@ class JaxTaps(BaseAdapter):
 
     def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The model's floating array arguments, ``args.<i>`` and ``kwargs.<name>``, checked
-        for NaN/Inf on the device (:func:`~.sites.check_inputs`): a non-finite one is an
+        for NaN/Inf on the device (:func:`~.outputs.check_inputs`): a non-finite one is an
         ``input_nonfinite`` event of the step, the data's fault."""
         named = [*((f"args.{i}", a) for i, a in enumerate(args)),
                  *((f"kwargs.{k}", v) for k, v in kwargs.items())]
@@ -130,6 +131,11 @@ class JaxAdapter(JaxTaps):
     """Watches a Flax NNX model, named JAX arrays (``params=``), and taps."""
 
     name = "jax"
+    capabilities = frozenset({GradientSource, TrainStep})
+    # Not keep= (no dense copies), op-level capture or scaler=; every statistic is measured on
+    # every recorded step, so full_stats_every= has nothing to choose.
+    watch_options = frozenset({"params", "layers", "intervene", "outputs", "param_stats",
+                               "optimizer"})
 
     def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
                  options: WatchOptions) -> None:
@@ -152,10 +158,6 @@ class JaxAdapter(JaxTaps):
                     f"params[{key!r}] is a {type(value).__name__}; the JAX adapter records "
                     "jax arrays (the gradients then come from dbg.step(grads)).")
         self._add_param_keys(self._params)
-        if options.keep:
-            context.warn_once("jax-keep", (
-                "graddebug: keep= is not supported by the JAX adapter yet; the kept layers "
-                "get rows, not dense gradients."))
         self._open()
         self._patches: Any = None
         self._param_vars: list[Any] | None = None
@@ -267,16 +269,6 @@ class JaxAdapter(JaxTaps):
         if mon is not None and mon.sink is not None:
             return None  # the monitor recorded them
         return grads  # type: ignore[no-any-return]
-
-    def callback(self, **options: Any) -> Any:
-        """JAX has no training-loop callbacks: close each step with ``dbg.step()``.
-
-        Raises:
-            ConfigError: Always.
-        """
-        raise ConfigError(
-            "the JAX adapter has no training callback (JAX has no fit loop); call dbg.step() "
-            "after each jitted training step.")
 
     # -- hooks ------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ when the step closes.
 
 Callbacks run on the runtime's thread while the user's Python goes on (JAX dispatches
 asynchronously), so a close first waits for them (``jax.effects_barrier()``), then fetches the
-parcels held from eager code (:mod:`.outlet`) in one transfer (:func:`_to_host`), and reads what
+parcels held from eager code (:mod:`.transport`) in one transfer (:func:`_to_host`), and reads what
 arrived. A batch is appended whole, under a lock, so a close never sees half of one.
 """
 
@@ -22,9 +22,9 @@ import numpy as np
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import FailOpen
 from graddebug.records import Event, EventKind, Kind, Record, sums_record
-from graddebug_jax.outlet import Parcel
-from graddebug_jax.sites import Site
+from graddebug_jax.outputs import Site
 from graddebug_jax.stats import ACT_COLUMNS, FORWARD_NAN, PARAM_COLUMNS, param_rows
+from graddebug_jax.transport import Parcel
 
 __all__ = ["INPUT_LAYER", "ParamNamer", "StepRows", "given_rows"]
 

@@ -7,15 +7,15 @@ into Python as it runs, and no gradient is left on a variable. So graddebug puts
 the traced computation itself, where it is compiled with the step:
 
 - each watched layer's ``call`` is wrapped on the instance: its floating outputs pass through
-  the ``jax.custom_vjp`` identities of :class:`graddebug_jax.sites.Chains`, whose backward rule
+  the ``jax.custom_vjp`` identities of :class:`graddebug_jax.outputs.Chains`, whose backward rule
   measures the gradient at the output and leaves the backward pass's rows in the trace;
 - the model's own ``call`` checks its floating inputs for NaN/Inf
-  (:func:`graddebug_jax.sites.check_inputs`), and its ``compute_loss`` passes the batch's loss
+  (:func:`graddebug_jax.outputs.check_inputs`), and its ``compute_loss`` passes the batch's loss
   through an identity whose forward rule keeps the value (the loss row);
 - the optimizer's ``stateless_apply`` (and its eager ``apply``) is wrapped on the instance:
   it measures the gradients it is handed, the weights they were taken at and the update it
   makes (:func:`graddebug_jax.stats.param_rows`), and carries them with everything the trace
-  left (:mod:`graddebug_jax.outlet`) to the host in one callback: one transfer per step.
+  left (:mod:`graddebug_jax.transport`) to the host in one callback: one transfer per step.
 
 Keras's compiled functions are dropped on entering and on leaving, so that the next ``fit``
 traces the wrapped (then the plain) step. The step closes at the callback's
@@ -24,7 +24,8 @@ callback then records the batch's loss.
 
 Not recorded on this backend: ``keep=`` (dense gradients), op-level capture (``ops=``,
 ``escalate=``), and parameters that get no gradient (Keras differentiates every trainable
-variable, and an unreached one gets zeros, not None); one warning says so where asked.
+variable, and an unreached one gets zeros, not None). The adapter's ``watch_options`` leave
+them out, so ``watch()`` refuses those options.
 """
 
 from __future__ import annotations
@@ -38,16 +39,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from graddebug.adapter import StepResult, WatchContext, WatchOptions
+from graddebug.adapter.protocol import GradientSource, TrainingCallback, TrainStep
 from graddebug.capture.layers import LayerSpec
 from graddebug.errors import ConfigError, GradDebugError, GradientCountError
 from graddebug_jax.adapter import JaxTaps
 from graddebug_jax.closing import given_rows
-from graddebug_jax.modules import floating_leaves
-from graddebug_jax.outlet import Parcel
-from graddebug_jax.sites import probe
+from graddebug_jax.model import floating_leaves
+from graddebug_jax.outputs import probe
 from graddebug_jax.stats import param_rows
-from graddebug_keras.callback import build_callback
-from graddebug_keras.layers import KerasLayers, channels_first
+from graddebug_jax.transport import Parcel
+from graddebug_keras.callbacks import build_callback
+from graddebug_keras.model import LayerIndex as KerasLayers
+from graddebug_keras.model import channels_first
 from graddebug_keras.optimizers import Wrapped, check_keras_optimizer
 
 __all__ = ["KerasJaxAdapter"]
@@ -59,14 +62,15 @@ class KerasJaxAdapter(JaxTaps):
     """Watches a Keras model or layer on the JAX backend, and taps."""
 
     name = "keras-jax"
+    capabilities = frozenset({GradientSource, TrainStep, TrainingCallback})
+    # Keras's train step is one compiled JAX function: graddebug measures gradients in it but
+    # keeps no dense copies (keep=) and sees no single operation (ops=, escalate=); the model's
+    # variables are its parameters (params=), and every statistic is measured on every step.
+    watch_options = frozenset({"layers", "intervene", "outputs", "param_stats", "optimizer"})
     _tapper = "Keras on the JAX backend"
 
     def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
                  options: WatchOptions) -> None:
-        if params:
-            raise ConfigError(
-                "params= is not supported with a Keras model on the JAX backend: its "
-                "trainable variables are recorded already; tap(x, name) records other arrays.")
         super().__init__(context, options)
         self._index = KerasLayers(model)
         self._targets = self._add_layers(self._index.named,
@@ -80,15 +84,6 @@ class KerasJaxAdapter(JaxTaps):
         self._names: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         for layer, short, var in self._index.variables():
             self._names[str(var.path)] = (layer, short, self._index.chain(layer))
-        missing = [name for name, asked in (("keep=", bool(options.keep)),
-                                            ("ops=", options.ops),
-                                            ("escalate=", options.escalate)) if asked]
-        if missing:
-            context.warn_once("keras-jax-gaps", (
-                f"graddebug: {', '.join(missing)} is not supported for Keras on the JAX "
-                "backend: Keras's train step is one compiled JAX function, in which graddebug "
-                "measures gradients but keeps no dense copies and sees no single operation. "
-                "Layer outputs and parameters are recorded as rows."))
 
     # -- Adapter protocol -------------------------------------------------------------------
 
@@ -390,7 +385,7 @@ def _probed(arg: Any, flags: list[list[bool]]) -> Any:
 
 def _labelled(with_paths: list[tuple[Any, Any]]) -> list[tuple[str, Any]]:
     """The ``tensor`` label of each output leaf, as :func:`floating_leaves` names them."""
-    from graddebug_jax.modules import path_name
+    from graddebug_jax.model import path_name
 
     return [("output" if not path else f"output.{path_name(path)}", leaf)
             for path, leaf in with_paths]

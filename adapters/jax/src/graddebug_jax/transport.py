@@ -8,7 +8,7 @@ What the outlet does with it depends on where it was made:
   held parcel in one transfer.
 - **Traced** (inside ``jax.jit``/``nnx.jit``): the parcel waits in the trace until a *carrier*
   gathers every parcel of that trace, into one host callback or into the optax monitor's
-  state (:meth:`Outlet.take_trace`, :mod:`.optax_monitor`). The carrier is the optimizer's
+  state (:meth:`Outlet.take_trace`, :mod:`.updates`). The carrier is the optimizer's
   update (the optax monitor, Keras's ``stateless_apply``) where one is bound, since it runs
   after the backward pass in the same compiled step; else the backward pass's last sink.
   A traced parcel that no carrier gathered (the update compiled apart from the backward pass)
@@ -39,7 +39,7 @@ benchmark's step (400 interleaved steps): the same parameter reductions returned
 cost 2-5% over plain, and with one tied ``pure_callback`` 18-33%. Hence the monitor's state:
 an ``nnx.Optimizer`` writes it back out of ``nnx.jit`` like any output, and the close fetches
 it. A state whose shapes changed would retrace the step, so its room is fixed when the
-optimizer is built, from the parameters' count (:func:`.optax_monitor.extra_size`): the
+optimizer is built, from the parameters' count (:func:`.updates.extra_size`): the
 parameter rows, the input codes, and a backward pass's layer-output rows where they fit (a
 chain's size is known only once the model is traced). Measured with
 ``benchmarks/overhead_jax.py`` (interleaved runs, 2-core CPU), ``params`` configuration:

@@ -1,5 +1,5 @@
 """The modules and parameters of a Flax NNX model by their ``nnx`` graph paths, and the wrapped
-``__call__`` that passes a watched module's outputs through the identities of :mod:`.sites`.
+``__call__`` that passes a watched module's outputs through the identities of :mod:`.outputs`.
 
 Python looks special methods up on the type, so a module's ``__call__`` is wrapped on its class
 (on the class of the MRO that defines it), once per class and for as long as some Watcher needs

@@ -6,11 +6,11 @@ It wraps ``inner`` as optax's own wrappers do (``optax.apply_if_finite``,
 ``optax.MultiSteps``): its state is a :class:`MonitorState`, ``inner``'s state and the
 statistics of the last update. Bind it to a Watcher with ``graddebug.watch(model,
 optimizer=tx)``; unbound, it measures nothing. Its statistics are computed inside the
-compiled step, and its update is the step's carrier (:mod:`.outlet`). Where an
+compiled step, and its update is the step's carrier (:mod:`.transport`). Where an
 ``nnx.Optimizer`` holds its state (the optimizer that called ``init``), the parameter rows and
 every parcel waiting beside them in the trace (the backward pass's layer-output rows, the
 input check) leave the step as that state, which ``nnx.jit`` writes back without waiting: no
-host callback, which would make the step run synchronously (measured in :mod:`.outlet`); the
+host callback, which would make the step run synchronously (measured in :mod:`.transport`); the
 close fetches them (:meth:`Monitor.collect`). The state's room for them is fixed when the
 optimizer is built, before the model is traced (:func:`extra_size`), so that the step never
 retraces for it; a trace whose parcels do not fit, a chain of more layer outputs than the
@@ -32,9 +32,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from graddebug_jax.modules import path_name
-from graddebug_jax.outlet import Land, Outlet, Parcel
+from graddebug_jax.model import path_name
 from graddebug_jax.stats import ACT_COLUMNS, PARAM_COLUMNS, param_rows
+from graddebug_jax.transport import Land, Outlet, Parcel
 
 __all__ = ["Monitor", "MonitorState", "extra_size", "monitor", "monitor_of"]
 

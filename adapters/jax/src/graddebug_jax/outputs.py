@@ -6,7 +6,7 @@ of zeros threaded through the identities of one trace in forward order, and retu
 unchanged. In the backward pass the token's cotangent flows through the same identities in
 reverse: each writes its row (:func:`~.stats.activation_row`) into its slot and passes the
 token's cotangent on. The first identity of the chain, whose token input is a constant, is its
-*sink*: its backward rule hands the whole chain's rows to the :class:`~.outlet.Outlet`, which
+*sink*: its backward rule hands the whole chain's rows to the :class:`~.transport.Outlet`, which
 sends them to the host with the step's other statistics (the optimizer update's), or alone
 where no update follows in the same trace. So a backward pass costs one host transfer at most,
 however many layers it crosses.
@@ -16,7 +16,7 @@ gradient at all (an output behind ``jax.lax.stop_gradient`` does not), and the b
 learns whether any cotangent reached it (a symbolic zero means the graph is cut downstream of
 it), which are the cut-graph events.
 
-How the rows reach the host: see :mod:`.outlet`. Measured on the shared 2-core CPU
+How the rows reach the host: see :mod:`.transport`. Measured on the shared 2-core CPU
 (``jax.jit(jax.grad(f))`` with 8 taps on 64x256 arrays, median of 200 steps, two runs): plain
 6.0-7.6 ms a step; one ``jax.debug.callback`` per chain 11.7-11.8 ms; one per tap
 (``CAPACITY = 1``) 12.8-14.4 ms. Most of the difference to plain is the reductions themselves.
@@ -35,8 +35,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from graddebug.capture.layers import Intervention, LayerSpec, intervene_fail_open
-from graddebug_jax.outlet import Outlet, Parcel
 from graddebug_jax.stats import ACT_COLUMNS, activation_row, forward_code
+from graddebug_jax.transport import Outlet, Parcel
 
 __all__ = ["CAPACITY", "Chains", "Site", "apply_intervention", "check_inputs", "probe"]
 
@@ -123,7 +123,7 @@ class Chains:
     Args:
         deliver: Where a chain's rows go on the host.
         on_bug: Records a bug caught inside a backward rule.
-        outlet: Takes each complete chain's rows to the host (:mod:`.outlet`).
+        outlet: Takes each complete chain's rows to the host (:mod:`.transport`).
     """
 
     def __init__(self, deliver: Deliver, on_bug: Callable[[BaseException, str], None],
