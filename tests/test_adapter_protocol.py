@@ -20,6 +20,7 @@ import pytest
 
 import graddebug
 import graddebug.adapter as protocol
+from graddebug.adapter.capabilities import CAPABILITIES as declared
 from graddebug.adapter import (
     Adapter,
     CompiledTiers,
@@ -29,6 +30,8 @@ from graddebug.adapter import (
     SessionGraphs,
     StepClock,
     Training,
+    TrainingCallback,
+    TrainStep,
 )
 from graddebug.errors import (
     ConfigError,
@@ -59,8 +62,8 @@ CONTRACT = ["step", "layer", "tensor", "kind", "depth", "shape", "numel", "norm"
             "absmax", "zero_frac", "nan", "inf", "rank", "weight_norm", "update_norm",
             "clipped_norm"]
 
-CAPABILITIES = [StepClock, GradientSource, Distributed, CompiledTiers, ReadAhead, Training,
-                SessionGraphs]
+CAPABILITIES = [StepClock, GradientSource, Distributed, CompiledTiers, ReadAhead, TrainStep,
+                TrainingCallback, SessionGraphs]
 
 
 def watch(model: Any = None, **options: Any) -> graddebug.Watcher:
@@ -460,7 +463,17 @@ def _stub(self: Any, *args: Any, **kwargs: Any) -> None:
 def test_capability_list_is_every_runtime_protocol_of_the_package() -> None:
     runtime = {name for name in protocol.__all__
                if getattr(getattr(protocol, name), "_is_runtime_protocol", False)}
-    assert runtime - {"CallbackContext"} == {c.__name__ for c in CAPABILITIES}
+    # Training is the two training capabilities in one, kept for older code.
+    assert runtime - {"CallbackContext", "Training"} == {c.__name__ for c in CAPABILITIES}
+    assert list(declared) == CAPABILITIES
+
+
+def test_training_is_still_both_training_capabilities() -> None:
+    both = type("Both", (), {"train_step": _stub, "callback": _stub})
+    one = type("One", (), {"train_step": _stub})
+    assert isinstance(both(), Training)
+    assert not isinstance(one(), Training)
+    assert isinstance(one(), TrainStep) and not isinstance(one(), TrainingCallback)
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES, ids=lambda c: c.__name__)

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from graddebug import ConfigError, Thresholds, Watcher
-from graddebug.config import WATCH_OPTIONS
+from graddebug.adapter.options import WATCH_OPTIONS
 
 
 def test_defaults_are_the_documented_anchor_values() -> None:

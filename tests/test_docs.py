@@ -59,7 +59,7 @@ def test_the_docstring_parser_reads_one_section() -> None:
 def test_watch_its_options_object_and_its_docstring_name_the_same_options() -> None:
     import graddebug
     from graddebug.adapter import WatchOptions
-    from graddebug.config import WATCH_OPTIONS
+    from graddebug.adapter.options import WATCH_OPTIONS
 
     signature = [name for name in inspect.signature(graddebug.watch).parameters
                  if name != "model"]

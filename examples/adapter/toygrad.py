@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import graddebug
-from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.adapter import BaseAdapter, StepClock, StepResult, WatchContext, WatchOptions
 from graddebug.capture.layers import Intervention, LayerSpec, intervene_fail_open, select_layers
 from graddebug.errors import ConfigError, GradientCountError
 from graddebug.records import Event, EventKind, Kind, Record, sums_record
@@ -329,6 +329,9 @@ class ToyAdapter(BaseAdapter):
     """
 
     name = "toygrad"
+    capabilities = frozenset({StepClock})
+    watch_options = frozenset({"params", "layers", "keep", "intervene", "outputs", "param_stats",
+                               "optimizer", "full_stats_every"})
 
     def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
                  options: WatchOptions) -> None:

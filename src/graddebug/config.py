@@ -11,35 +11,7 @@ from typing import Any
 
 from graddebug.errors import ConfigError, close_matches
 
-__all__ = ["WATCH_OPTIONS", "Thresholds", "as_number"]
-
-WATCH_OPTIONS: tuple[str, ...] = (
-    "params",
-    "layers",
-    "keep",
-    "keep_steps",
-    "intervene",
-    "every",
-    "outputs",
-    "param_stats",
-    "optimizer",
-    "scaler",
-    "thresholds",
-    "strict",
-    "log_dir",
-    "flush_every",
-    "plugin_manager",
-    "tensorboard",
-    "ops",
-    "escalate",
-    "full_stats_every",
-)
-"""The keyword options of ``watch`` and ``Watcher``, in signature order (everything after
-``model``). Callers that pass options on to ``watch`` (``check``, the training callbacks) check
-names against this tuple, so that they need not import the Watcher; ``tests/test_config.py``
-holds it to the signature, and ``tests/test_readme.py`` holds the README's options table and
-:class:`graddebug.adapter.WatchOptions` to it."""
-
+__all__ = ["Thresholds", "as_number"]
 
 def as_number(value: object, *, integral: bool = False) -> int | float | None:
     """Return ``value`` as a plain Python number, or None when it is not a real number.

@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable
 
 __all__ = [
+    "AdapterContractError",
     "ConfigError",
     "CorruptRunError",
     "GradDebugError",
@@ -24,6 +25,7 @@ __all__ = [
     "NotARunError",
     "RunFileError",
     "UnknownNameError",
+    "UnsupportedOptionError",
     "WatcherStateError",
     "close_matches",
     "printable",
@@ -91,6 +93,16 @@ class GradientCountError(GradDebugError, ValueError):
 
 class ConfigError(GradDebugError, ValueError):
     """An option or threshold has a value that cannot be used."""
+
+
+class UnsupportedOptionError(ConfigError):
+    """A ``watch`` option was set that the adapter chosen for the model does not honour (its
+    ``watch_options`` declaration); the message names the adapter and what to use instead."""
+
+
+class AdapterContractError(GradDebugError, TypeError):
+    """An adapter class declares a capability it does not implement, implements one it does
+    not declare, or implements a method with a signature the protocol cannot call."""
 
 
 class WatcherStateError(GradDebugError, RuntimeError):

@@ -4,7 +4,9 @@
 protocols of what only some frameworks can do, and the two sides of the Watcher that adapters
 and training callbacks see; :mod:`~graddebug.adapter.options` holds :class:`WatchOptions`, the
 options of ``watch`` documented once; :mod:`~graddebug.adapter.base` holds the bookkeeping
-every adapter shares. The README's "Writing an adapter" walks through a complete one.
+every adapter shares; :mod:`~graddebug.adapter.capabilities` checks what an adapter class
+declares (its capabilities and the options it honours) against what it implements. The
+"Writing an adapter" section of ``docs/plugins.md`` walks through a complete one.
 
 An adapter imports this package, :mod:`graddebug.capture.layers`, :mod:`graddebug.records`, the
 errors and the integration helpers, and nothing else of the core.
@@ -28,6 +30,8 @@ from graddebug.adapter.protocol import (
     StepClock,
     StepResult,
     Training,
+    TrainingCallback,
+    TrainStep,
     WatchContext,
 )
 
@@ -45,7 +49,9 @@ __all__ = [
     "SessionGraphs",
     "StepClock",
     "StepResult",
+    "TrainStep",
     "Training",
+    "TrainingCallback",
     "WatchContext",
     "WatchOptions",
 ]

@@ -4,7 +4,7 @@ the ``keep=``/``intervene=`` names that matched, and the fail-open rule."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from graddebug.adapter.options import WatchOptions
 from graddebug.adapter.protocol import WatchContext
@@ -24,7 +24,8 @@ class BaseAdapter:
 
     It keeps the watched layers and taps by name (:class:`LayerSpec`), hands out forward-order
     depths, tracks which ``keep=``/``intervene=`` names matched something, and applies the
-    fail-open rule.
+    fail-open rule. A subclass declares what it can do as data: :attr:`capabilities` and
+    :attr:`watch_options`.
 
     Args:
         context: The Watcher.
@@ -33,6 +34,16 @@ class BaseAdapter:
 
     name: str = ""
     """The adapter's name (the framework), as run metadata records it."""
+
+    capabilities: ClassVar[frozenset[type]] = frozenset()
+    """The capability protocols of :mod:`graddebug.adapter.protocol` that the adapter
+    implements; checked against its methods when the first one is built
+    (:func:`graddebug.adapter.capabilities.verify_adapter`)."""
+
+    watch_options: ClassVar[frozenset[str]] = frozenset()
+    """The options of ``watch`` that the adapter honours, among
+    :data:`graddebug.adapter.options.ADAPTER_OPTIONS` (the Watcher honours the others
+    itself): ``watch`` refuses any other one that the user set."""
 
     def __init__(self, context: WatchContext, options: WatchOptions) -> None:
         self._ctx = context

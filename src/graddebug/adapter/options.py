@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -15,7 +15,7 @@ from graddebug.config import Thresholds
 if TYPE_CHECKING:
     import pluggy
 
-__all__ = ["WatchOptions"]
+__all__ = ["ADAPTER_OPTIONS", "WATCHER_OPTIONS", "WATCH_OPTIONS", "WatchOptions", "options_set"]
 
 
 @dataclass(frozen=True)
@@ -87,29 +87,77 @@ class WatchOptions:
             (derived from ``layers=``, not an option of its own).
     """
 
+    params: Mapping[str, Any] | None = None
     layers: Sequence[Any] | None = None
     keep: frozenset[str] = frozenset()
+    keep_steps: int | None = 10
     intervene: Mapping[str, Intervention] = field(default_factory=dict)
+    every: int = 1
     outputs: bool = True
     param_stats: Literal["norm", "full"] = "norm"
     optimizer: Any = None
-    every: int = 1
     scaler: Any = None
-    ops: bool = False
-    escalate: bool = False
-    op_sites: frozenset[str] = frozenset()
-    full_stats_every: int = 10
-    params: Mapping[str, Any] | None = None
-    keep_steps: int | None = 10
     thresholds: Thresholds = field(default_factory=Thresholds)
     strict: bool = False
     log_dir: str | os.PathLike[str] | None = None
     flush_every: int = 100
     plugin_manager: pluggy.PluginManager | None = None
     tensorboard: Path | None = None
+    ops: bool = False
+    escalate: bool = False
+    full_stats_every: int = 10
+    op_sites: frozenset[str] = field(default=frozenset(), metadata={"derived": True})
 
     @property
     def named(self) -> set[str]:
         """The names that ``keep=`` and ``intervene=`` ask for, and the op sites ``layers=``
         asks for: each must match something by the end of the run."""
         return set(self.keep) | set(self.intervene) | set(self.op_sites)
+
+
+WATCH_OPTIONS: tuple[str, ...] = tuple(
+    f.name for f in fields(WatchOptions) if not f.metadata.get("derived"))
+"""The keyword options of ``watch`` and ``Watcher``, in signature order (everything after
+``model``), read from the fields of :class:`WatchOptions`: every list of option names is this
+one. Callers that pass options on to ``watch`` (``check``, the training callbacks) check names
+against it; ``tests/test_options.py`` holds ``Watcher.__init__``'s signature to it."""
+
+WATCHER_OPTIONS: frozenset[str] = frozenset({
+    "keep_steps", "every", "thresholds", "strict", "log_dir", "flush_every", "plugin_manager",
+    "tensorboard"})
+"""The options the Watcher honours itself, whatever the adapter: the steps it records, its
+diagnoses, its files and its plugins. An adapter declares none of them."""
+
+ADAPTER_OPTIONS: tuple[str, ...] = tuple(n for n in WATCH_OPTIONS if n not in WATCHER_OPTIONS)
+"""The options an adapter honours or not, each declared in its ``watch_options``: the Watcher
+refuses one set to another value than its default when the adapter does not declare it."""
+
+
+def options_set(options: WatchOptions) -> list[str]:
+    """The options of ``options`` that differ from their default, in signature order.
+
+    A collection counts as set when it is not empty, and an object whose default is None when
+    it is not None; nothing is compared by value that could be a tensor.
+
+    Args:
+        options: Validated options.
+
+    Returns:
+        Their names.
+    """
+    given = []
+    for f in fields(options):
+        if f.metadata.get("derived"):
+            continue
+        value = getattr(options, f.name)
+        factory: Any = f.default_factory
+        default = factory() if f.default is MISSING else f.default
+        if default is None:
+            changed = value is not None
+        elif isinstance(default, (frozenset, dict)):
+            changed = len(value) > 0
+        else:
+            changed = bool(value != default)
+        if changed:
+            given.append(f.name)
+    return given

@@ -4,7 +4,8 @@ adapter may ask back.
 Every adapter implements :class:`Adapter`: install and remove its hooks, tap a tensor, say
 whether anything arrived, close a step, and name what it matched. What only some frameworks
 can do is a capability of its own, a ``runtime_checkable`` protocol that the Watcher tests
-with ``isinstance`` once the adapter is built:
+where the adapter declares it (:mod:`graddebug.adapter.capabilities` checks the
+declaration against the class once it is built):
 
 ==========================  ===============================================================
 :class:`StepClock`          an optimizer's step closes a graddebug step (torch)
@@ -12,7 +13,8 @@ with ``isinstance`` once the adapter is built:
 :class:`Distributed`        the run spans processes or replicas
 :class:`CompiledTiers`      compiled graphs learn each step's statistics tier in advance
 :class:`ReadAhead`          answering "anything pending?" reads state the close reuses
-:class:`Training`           ``graddebug.check``'s train step and a training callback
+:class:`TrainStep`          ``graddebug.check``'s train step
+:class:`TrainingCallback`   a training callback (``dbg.callback()``)
 :class:`SessionGraphs`      graphs run by a session (``tf.compat.v1``): fetches and hooks
 ==========================  ===============================================================
 
@@ -49,7 +51,9 @@ __all__ = [
     "SessionGraphs",
     "StepClock",
     "StepResult",
+    "TrainStep",
     "Training",
+    "TrainingCallback",
     "WatchContext",
 ]
 
@@ -300,9 +304,8 @@ class ReadAhead(Protocol):
 
 
 @runtime_checkable
-class Training(Protocol):
-    """Capability: run a training step for ``graddebug.check``, and build the framework's
-    training callback (``dbg.callback()``)."""
+class TrainStep(Protocol):
+    """Capability: run a training step for ``graddebug.check`` (and ``dbg.train_step``)."""
 
     def train_step(
         self, inputs: Any, loss_args: tuple[Any, ...], loss_fn: Any, optimizer: Any
@@ -317,6 +320,11 @@ class Training(Protocol):
             stores them on the parameters.
         """
 
+
+@runtime_checkable
+class TrainingCallback(Protocol):
+    """Capability: build the framework's training callback (``dbg.callback()``)."""
+
     def callback(self, **options: Any) -> Any:
         """Return the framework's training callback bound to the Watcher (a Keras callback
         for ``model.fit``, a Lightning callback).
@@ -324,6 +332,15 @@ class Training(Protocol):
         Raises:
             ConfigError: The options are not the callback's.
         """
+
+
+@runtime_checkable
+class Training(TrainStep, TrainingCallback, Protocol):
+    """Both :class:`TrainStep` and :class:`TrainingCallback`, as one protocol.
+
+    Kept for code written before the two were separate capabilities; an adapter declares the
+    two, and the Watcher asks for each on its own.
+    """
 
 
 @runtime_checkable

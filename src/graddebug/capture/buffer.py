@@ -17,7 +17,7 @@ import pandas as pd
 
 from graddebug.adapter import Distribution, StepResult
 from graddebug.capture.kept import KeptGradients
-from graddebug.errors import GradDebugError
+from graddebug.capture.layers import FailOpen
 from graddebug.frames import event_frame, record_frame
 from graddebug.records import Event, Finding, Kind, Record
 from graddebug.runs.writer import RunWriter
@@ -165,12 +165,8 @@ class RunBuffer:
         log.rank = self.distribution.rank
         log.processes = self.distribution.writers
         log.create()
-        try:
+        with FailOpen(self._on_bug, f"log_dir {str(log.path)!r}"):
             log.start(*self._describe())
-        except GradDebugError:
-            raise
-        except Exception as exc:
-            self._on_bug(exc, f"log_dir {str(log.path)!r}")
 
     def flush(self) -> None:
         """Write the rows not flushed yet as one part per stream, then drop them.
@@ -182,12 +178,13 @@ class RunBuffer:
         if log is None:
             return
         internal = self.internal[self._flushed_internal:]
-        try:
+        written = False
+        with FailOpen(self._on_bug, f"log_dir {str(log.path)!r}"):
             if log.parts == 0:  # an adapter chosen by tap() is known by the first flush
                 log.start(*self._describe())
             log.flush(self.records, self.events, internal)
-        except Exception as exc:
-            self._on_bug(exc, f"log_dir {str(log.path)!r}")
+            written = True
+        if not written:
             return
         self.records, self.events = [], []
         self._flushed_internal += len(internal)
@@ -209,11 +206,9 @@ class RunBuffer:
             reason = (f"{unwritten} rows could not be written (see the internal_error "
                       "findings); the Watcher still holds them: dbg.frame() has them and "
                       "dbg.save(path) writes them elsewhere")
-        try:
+        with FailOpen(self._on_bug, f"log_dir {str(log.path)!r}"):
             log.finish(self.frame(), self.events_frame(), findings(), *self._describe(),
                        incomplete=reason)
-        except Exception as exc:
-            self._on_bug(exc, f"log_dir {str(log.path)!r}")
         # What reached the disk is read back when asked; rows that did not stay in memory.
         self._cache.pop("frame", None)
         self._cache.pop("events", None)

@@ -35,17 +35,18 @@ def watch(model: Any = None, **options: Any) -> Watcher:
     on :class:`graddebug.adapter.WatchOptions`.
 
     Args:
-        model: A ``torch.nn.Module`` or a Keras model; None with ``params=`` or for taps only.
-        **options: The options of :class:`graddebug.adapter.WatchOptions` (``params``,
-            ``layers``, ``keep``, ``keep_steps``, ``intervene``, ``every``, ``outputs``,
-            ``param_stats``, ``optimizer``, ``scaler``, ``thresholds``, ``strict``,
-            ``log_dir``, ``flush_every``, ``plugin_manager``, ``tensorboard``, ``ops``,
-            ``escalate``, ``full_stats_every``).
+        model: A model of a framework whose adapter is installed (a ``torch.nn.Module``, a
+            Keras model, a Flax NNX module); None with ``params=`` or for taps only.
+        **options: The options of :class:`graddebug.adapter.WatchOptions`, each documented
+            there (their names: :data:`graddebug.adapter.options.WATCH_OPTIONS`).
 
     Returns:
         A :class:`Watcher`, to be entered with ``with``.
 
     Raises:
+        UnsupportedOptionError: An option was set that the adapter of ``model`` (or of the
+            first ``params=`` value) does not honour (its ``watch_options``); the message
+            names the adapter and what to use instead.
         ConfigError: An option has an unusable value, ``log_dir`` is not a new directory,
             or ``ops=True``/``escalate=True`` was given without a model.
         MissingFrameworkError: ``log_dir`` was given and pyarrow is missing, or

@@ -291,15 +291,15 @@ def intervene_fail_open(
     Raises:
         MaskShapeError: The mask callable returned something of another shape.
     """
-    try:
-        out = apply(grad, spec)
-    except GradDebugError:
-        raise
-    except Exception as exc:
-        if spec.mask_is_callable:
-            raise  # the user's own mask function failed: theirs to see
-        on_bug(exc, name)
-        return grad
+    if spec.mask_is_callable:
+        out = apply(grad, spec)  # the user's own mask function: its failure is theirs to see
+    else:
+        applied: list[G] = []
+        with FailOpen(on_bug, name):
+            applied.append(apply(grad, spec))
+        if not applied:  # graddebug's bug: the gradient flows on unaltered
+            return grad
+        out = applied[0]
     if not fits(out, grad):
         got = tuple(out.shape) if hasattr(out, "shape") else type(out).__name__
         raise MaskShapeError(

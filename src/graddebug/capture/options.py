@@ -11,18 +11,15 @@ import importlib.util
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import numpy as np
 
 from graddebug.adapter import WatchOptions
 from graddebug.capture.layers import Intervention, is_op_site, parse_interventions
-from graddebug.config import Thresholds, as_number
+from graddebug.config import as_number
 from graddebug.errors import ConfigError, MissingFrameworkError
 from graddebug.runs.layout import check_run_path
-
-if TYPE_CHECKING:
-    import pluggy
 
 __all__ = ["build_options", "check_flag", "check_log_dir", "check_tensorboard"]
 
@@ -135,24 +132,16 @@ def _refuse_op_sites(named_by: Iterable[tuple[str, Iterable[str]]]) -> None:
             )
 
 
-def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | str | type | None,
-                  keep: Sequence[str] | str | None, keep_steps: int | None,
-                  intervene: Mapping[str, Any] | None, every: int, outputs: bool,
-                  param_stats: Literal["norm", "full"], optimizer: Any, scaler: Any,
-                  thresholds: Thresholds, strict: bool, log_dir: str | os.PathLike[str] | None,
-                  flush_every: int, plugin_manager: pluggy.PluginManager | None,
-                  tensorboard: Any, ops: bool, escalate: bool,
-                  full_stats_every: int) -> WatchOptions:
+def build_options(given: Mapping[str, Any]) -> WatchOptions:
     """Check the options of ``watch`` and return them as the Watcher and its adapter read
     them.
 
     Args:
-        params, layers, keep, keep_steps, intervene, every, outputs, param_stats, optimizer,
-        scaler, thresholds, strict, log_dir, flush_every, plugin_manager, tensorboard, ops,
-        escalate, full_stats_every: As documented on :class:`WatchOptions`; ``keep_steps``
-        and ``thresholds`` come checked already (:func:`graddebug.capture.kept.check_keep_steps`,
-        :meth:`Thresholds.coerce`), and the adapter checks that ``scaler`` is a scaler of its
-        framework.
+        given: Every option of :data:`~graddebug.adapter.options.WATCH_OPTIONS` by name, as
+            documented on :class:`WatchOptions`; ``keep_steps`` and ``thresholds`` come
+            checked already (:func:`graddebug.capture.kept.check_keep_steps`,
+            :meth:`Thresholds.coerce`), and the adapter checks that ``scaler`` is a scaler of
+            its framework.
 
     Raises:
         ConfigError: An option has an unusable value, or an entry of ``layers=``, ``keep=``
@@ -160,25 +149,23 @@ def build_options(*, params: Mapping[str, Any] | None, layers: Sequence[Any] | s
         MissingFrameworkError: ``log_dir`` was given and pyarrow is missing, or
             ``tensorboard`` was given and tensorboardX is missing.
     """
-    flush_every = _positive_int("flush_every", flush_every, "steps")
-    every = _positive_int("every", every, "1 records every step")
-    full_stats_every = _positive_int("full_stats_every", full_stats_every,
-                                     "1 measures every statistic on every recorded step")
-    outputs, strict, ops, escalate = (check_flag(name, value) for name, value in (
-        ("outputs", outputs), ("strict", strict), ("ops", ops), ("escalate", escalate)))
-    check_log_dir(log_dir)
-    if param_stats not in ("norm", "full"):
-        raise ConfigError(f"param_stats={param_stats!r} must be 'norm' or 'full'.")
-    _check_params(params)
-    chosen, sites, kept, interventions = _names(layers, keep, intervene, ops)
-    return WatchOptions(
-        flush_every=flush_every, every=every, full_stats_every=full_stats_every,
-        outputs=outputs, strict=strict, ops=ops, escalate=escalate,
-        layers=chosen, keep=kept, intervene=interventions, op_sites=sites,
-        param_stats=param_stats, optimizer=optimizer, scaler=scaler, params=params,
-        keep_steps=keep_steps, thresholds=thresholds, log_dir=log_dir,
-        plugin_manager=plugin_manager, tensorboard=check_tensorboard(tensorboard),
-    )
+    options = dict(given)
+    options["flush_every"] = _positive_int("flush_every", given["flush_every"], "steps")
+    options["every"] = _positive_int("every", given["every"], "1 records every step")
+    options["full_stats_every"] = _positive_int(
+        "full_stats_every", given["full_stats_every"],
+        "1 measures every statistic on every recorded step")
+    for flag in ("outputs", "strict", "ops", "escalate"):
+        options[flag] = check_flag(flag, given[flag])
+    check_log_dir(given["log_dir"])
+    if given["param_stats"] not in ("norm", "full"):
+        raise ConfigError(f"param_stats={given['param_stats']!r} must be 'norm' or 'full'.")
+    _check_params(given["params"])
+    (options["layers"], options["op_sites"], options["keep"],
+     options["intervene"]) = _names(given["layers"], given["keep"], given["intervene"],
+                                    options["ops"])
+    options["tensorboard"] = check_tensorboard(given["tensorboard"])
+    return WatchOptions(**options)
 
 
 def _names(layers: Sequence[Any] | str | type | None, keep: Sequence[str] | str | None,

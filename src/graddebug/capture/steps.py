@@ -30,11 +30,13 @@ from graddebug.adapter import (
     ReadAhead,
     StepResult,
 )
+from graddebug.adapter.capabilities import has
 from graddebug.capture.buffer import RunBuffer, gc_paused
 from graddebug.capture.context import HookSide
+from graddebug.capture.layers import FailOpen
 from graddebug.capture.live import LiveFindings
 from graddebug.config import as_number
-from graddebug.errors import ConfigError, GradDebugError, WatcherStateError
+from graddebug.errors import ConfigError, WatcherStateError
 from graddebug.frames import finding_frame
 from graddebug.records import Finding, Kind, Record, Severity, sums_record
 
@@ -153,8 +155,10 @@ class Steps:
     def serve(self, adapter: Adapter) -> None:
         """Close steps with ``adapter`` from now on."""
         self._adapter = adapter
-        self._read_ahead = adapter if isinstance(adapter, ReadAhead) else None
-        self._tiers_sink = adapter if isinstance(adapter, CompiledTiers) else None
+        self._read_ahead = (adapter if has(adapter, ReadAhead) and isinstance(adapter, ReadAhead)
+                            else None)
+        self._tiers_sink = (adapter if has(adapter, CompiledTiers)
+                            and isinstance(adapter, CompiledTiers) else None)
 
     @property
     def state(self) -> StepState:
@@ -209,13 +213,9 @@ class Steps:
 
     def _judge(self, rule: Any, *args: Any) -> Any:
         """Run a live diagnosis; a bug in one must not stop training, so it fails open."""
-        try:
+        with FailOpen(self._hooks.internal_error, "live findings"):
             return rule(*args)
-        except GradDebugError:
-            raise
-        except Exception as exc:
-            self._hooks.internal_error(exc, "live findings")
-            return None
+        return None
 
     def _findings_of(self, step: int) -> list[Finding]:
         """The findings ``step`` brought (none where the live rules failed)."""
@@ -228,12 +228,9 @@ class Steps:
         if self.state is StepState.CLOSED_BY_USER:
             self._closed = StepState.CLOSED_BY_OPTIMIZER
             return
-        try:
+        # Fail-open: the user's optimizer step has already happened.
+        with FailOpen(self._hooks.internal_error, f"{self._optimizer}.step"):
             self.close(None, StepState.CLOSED_BY_OPTIMIZER)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: the user's optimizer step has already happened
-            self._hooks.internal_error(exc, f"{self._optimizer}.step")
 
     def _pending_for_close(self) -> bool:
         """Whether anything arrived, asked right before a close (see :class:`ReadAhead`)."""
@@ -287,10 +284,8 @@ class Steps:
         amend = self.host.amend
         if amend is None:
             return
-        try:
+        with FailOpen(self._hooks.internal_error, "host clip"):
             result.records[:] = amend(result.records)
-        except Exception as exc:
-            self._hooks.internal_error(exc, "host clip")
 
     def _notice(self, step: int, result: StepResult) -> None:
         """Send the notice of the findings the step brought, once, where the host side says.
@@ -316,28 +311,20 @@ class Steps:
         """Let the rows of the step just recorded decide the next step's tier, and tell an
         adapter whose compiled graphs learn it in advance."""
         hooks = self._hooks
-        try:
+        with FailOpen(hooks.internal_error, "tiers"):  # the next steps then keep their tier
             hooks.tiers.after(hooks.step, result)
             if self._tiers_sink is not None:
                 self._tiers_sink.next_step_full(hooks.tiers.full(hooks.step + hooks.every))
-        except Exception as exc:  # fail-open: the next steps then keep their tier
-            hooks.internal_error(exc, "tiers")
 
     def _escalate(self, result: StepResult) -> None:
         """Arm op-level capture for the next recorded step after a finding (escalate=True)."""
         hooks = self._hooks
         assert hooks.escalation is not None
-        try:
+        with FailOpen(hooks.internal_error, "escalate"):  # escalation only adds detail
             hooks.escalation.after(hooks.step, result, hooks.step + hooks.every)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: escalation only adds detail
-            hooks.internal_error(exc, "escalate")
 
     def notify(self, hook: Any, **kwargs: Any) -> None:
         """Call a plugin hook; a subscriber's bug (a third-party logger) must not stop
         training, so it fails open."""
-        try:
+        with FailOpen(self._hooks.internal_error, f"{hook.name} plugin"):
             hook(**kwargs)
-        except Exception as exc:
-            self._hooks.internal_error(exc, f"{hook.name} plugin")

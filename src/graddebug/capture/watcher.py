@@ -12,8 +12,17 @@ from typing import Any, Literal
 import pluggy
 
 from graddebug.adapter import Adapter, Distributed, Distribution, HostSide, StepResult
+from graddebug.adapter.capabilities import has, verify_adapter
+from graddebug.adapter.options import WATCH_OPTIONS
 from graddebug.capture.buffer import RunBuffer
-from graddebug.capture.capabilities import follow, session_graphs, training
+from graddebug.capture.capabilities import (
+    callback,
+    follow,
+    refuse_at_watch,
+    refuse_options,
+    session_graphs,
+    train_step,
+)
 from graddebug.capture.context import HookSide
 from graddebug.capture.escalation import Escalation
 from graddebug.capture.kept import KEEP_STEPS, check_keep_steps
@@ -43,10 +52,12 @@ class Watcher(RunResults):
     removed when the ``with`` block ends, also when the block raised.
 
     Args:
-        model: A ``torch.nn.Module`` or a Keras model; None with ``params=`` or for taps only.
+        model: A model of a framework whose adapter is installed (a ``torch.nn.Module``, a
+            Keras model, a Flax NNX module); None with ``params=`` or for taps only.
 
     Every other argument is an option of :func:`watch`; each is documented on
-    :class:`graddebug.adapter.WatchOptions`.
+    :class:`graddebug.adapter.WatchOptions`. An option that the model's adapter does not
+    honour raises :class:`~graddebug.errors.UnsupportedOptionError` here, when set.
     """
 
     def __init__(
@@ -73,13 +84,11 @@ class Watcher(RunResults):
         escalate: bool = False,
         full_stats_every: int = 10,
     ) -> None:
-        self._options = options = build_options(
-            params=params, layers=layers, keep=keep, keep_steps=check_keep_steps(keep_steps),
-            intervene=intervene, every=every, outputs=outputs, param_stats=param_stats,
-            optimizer=optimizer, scaler=scaler, thresholds=Thresholds.coerce(thresholds),
-            strict=strict, log_dir=log_dir, flush_every=flush_every,
-            plugin_manager=plugin_manager, tensorboard=tensorboard, ops=ops, escalate=escalate,
-            full_stats_every=full_stats_every)
+        arguments = locals()  # the options, by the names WatchOptions' fields give them
+        given = {name: arguments[name] for name in WATCH_OPTIONS}
+        given.update(keep_steps=check_keep_steps(keep_steps),
+                     thresholds=Thresholds.coerce(thresholds))
+        self._options = options = build_options(given)
         if model is None and options.params is None and options.optimizer is not None:
             raise ConfigError(
                 f"optimizer={type(options.optimizer).__name__} was given with no model and no "
@@ -106,6 +115,7 @@ class Watcher(RunResults):
         self._steps = Steps(self._hooks, buffer, self._pm, self, options.optimizer,
                             self._live)
         self._started = ""
+        refuse_at_watch(self._pm, model, options)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -123,7 +133,7 @@ class Watcher(RunResults):
                 adapter = self._attach(target)
                 if self._options.optimizer is not None:
                     follow(adapter, self._options.optimizer, self._steps.by_optimizer)
-                if isinstance(adapter, Distributed):
+                if has(adapter, Distributed) and isinstance(adapter, Distributed):
                     self._buffer.distribution = adapter.distribution()
             self._buffer.start()
         except BaseException:
@@ -158,7 +168,10 @@ class Watcher(RunResults):
     def _attach(self, target: object) -> Adapter:
         factory = find_adapter(self._pm, target)
         options = self._options
+        refuse_options(factory, options, model=self._model is not None)
         adapter = factory(self._hooks, self._model, options.params, options)
+        verify_adapter(type(adapter))
+        refuse_options(adapter, options, model=self._model is not None)
         self._steps.serve(adapter)
         adapter.attach()
         return adapter
@@ -367,9 +380,10 @@ class Watcher(RunResults):
 
         Raises:
             WatcherStateError: Called outside the ``with`` block, or without a model.
-            ConfigError: The framework has no such callback.
+            ConfigError: The adapter builds no training callback (it does not declare
+                :class:`graddebug.adapter.TrainingCallback`).
         """
-        return training(self.adapter if self.active else None, "callback").callback(**options)
+        return callback(self.adapter if self.active else None).callback(**options)
 
     def fetches(self, grads: Any = None) -> Any:
         """What to fetch in a ``tf.compat.v1`` session's ``run`` for the step to be recorded.
@@ -420,7 +434,7 @@ class Watcher(RunResults):
             WatcherStateError: Called outside the ``with`` block, or without a model.
             ConfigError: The adapter runs no training steps.
         """
-        trainer = training(self.adapter if self.active else None, "train_step")
+        trainer = train_step(self.adapter if self.active else None)
         before = self.step_index
         grads = trainer.train_step(inputs, loss_args, loss_fn, optimizer)
         if self.step_index == before:

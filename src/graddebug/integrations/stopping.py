@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from graddebug.config import WATCH_OPTIONS
+from graddebug.adapter.options import WATCH_OPTIONS
 from graddebug.errors import ConfigError, close_matches
 from graddebug.records import EventKind, Issue, Record
 

@@ -391,4 +391,3 @@ class JaxAdapter(JaxTaps):
     def _model_layer_names(self) -> list[str]:
         """Every module name of the model, watched or not (for suggestions)."""
         return list(self._index.named) if self._index is not None else []
-

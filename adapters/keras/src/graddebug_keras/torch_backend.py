@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from graddebug.adapter import WatchContext, WatchOptions
+from graddebug.adapter.protocol import Distributed, StepClock, TrainingCallback, TrainStep
 from graddebug.errors import ConfigError
 from graddebug_keras.callback import build_callback
 from graddebug_keras.layers import KerasLayers, channels_first
@@ -40,6 +41,9 @@ class KerasTorchAdapter(TorchAdapter):
     """Watches a Keras model or layer on the torch backend."""
 
     name = "keras-torch"
+    capabilities = frozenset({StepClock, Distributed, TrainStep, TrainingCallback})
+    watch_options = frozenset({"params", "layers", "keep", "intervene", "outputs", "param_stats",
+                               "optimizer", "scaler", "ops", "escalate", "full_stats_every"})
 
     def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
                  options: WatchOptions) -> None:
@@ -196,4 +200,3 @@ class _ParamGroups:
     def param_groups(self) -> list[dict[str, list[torch.Tensor]]]:
         """One group of every trainable variable's tensor, read anew (layers may be added)."""
         return [{"params": [v.value for v in self._model.trainable_variables]}]
-

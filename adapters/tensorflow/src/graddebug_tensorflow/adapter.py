@@ -29,6 +29,14 @@ import keras
 import tensorflow as tf
 
 from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContext, WatchOptions
+from graddebug.adapter.protocol import (
+    CompiledTiers,
+    Distributed,
+    GradientSource,
+    ReadAhead,
+    TrainingCallback,
+    TrainStep,
+)
 from graddebug.capture.layers import Intervention
 from graddebug.errors import ConfigError
 from graddebug_tensorflow.captures import StateBuffers, StepGates
@@ -68,6 +76,10 @@ class TensorFlowAdapter(BaseAdapter):
     """Watches a Keras model or layer, named variables (``params=``), and taps."""
 
     name = "tensorflow"
+    capabilities = frozenset({GradientSource, Distributed, CompiledTiers, ReadAhead, TrainStep,
+                              TrainingCallback})
+    watch_options = frozenset({"params", "layers", "keep", "intervene", "outputs", "param_stats",
+                               "optimizer", "scaler", "ops", "escalate", "full_stats_every"})
 
     def __init__(
         self,

@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
+from graddebug.adapter.protocol import GradientSource, SessionGraphs
 from graddebug.capture.layers import Intervention, LayerSpec, keep_label
 from graddebug.errors import ConfigError, GradientCountError
 from graddebug_tensorflow.closing import param_records, step_records
@@ -85,6 +86,10 @@ class V1GraphAdapter(BaseAdapter):
     come back through the user's ``session.run`` (see the module docstring)."""
 
     name = "tensorflow"
+    capabilities = frozenset({GradientSource, SessionGraphs})
+    # A v1 graph has taps and params= variables, no layers: layers=, outputs= and op-level
+    # capture have nothing to act on.
+    watch_options = frozenset({"params", "keep", "intervene", "param_stats", "optimizer"})
 
     def __init__(
         self,

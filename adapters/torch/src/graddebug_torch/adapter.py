@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContext, WatchOptions
+from graddebug.adapter.protocol import Distributed, StepClock, TrainingCallback, TrainStep
 from graddebug.capture.layers import Intervention, LayerSpec, select_layers
 from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind
@@ -58,6 +59,9 @@ class TorchAdapter(BaseAdapter):
     """
 
     name = "torch"
+    capabilities = frozenset({StepClock, Distributed, TrainStep, TrainingCallback})
+    watch_options = frozenset({"params", "layers", "keep", "intervene", "outputs", "param_stats",
+                               "optimizer", "scaler", "ops", "escalate", "full_stats_every"})
     _scaling: LossScaling  # the watch(scaler=...) GradScaler, set up in attach
 
     def __init__(
