@@ -13,6 +13,7 @@ optax = pytest.importorskip("optax")
 import graddebug  # noqa: E402
 import graddebug_jax  # noqa: E402
 from graddebug.errors import GradDebugWarning  # noqa: E402
+from graddebug_jax.transport import Route  # noqa: E402
 from jax_models import MLP, batch, square_loss, train_step  # noqa: E402
 
 STEPS = 4
@@ -125,7 +126,7 @@ def test_without_chains_the_rows_leave_the_step_in_the_optimizers_state_once_a_s
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     traces = []
     step = train_step(traces)
-    with graddebug.watch(model, optimizer=tx, outputs=False) as dbg:
+    with graddebug.watch(model, optimizer=optimizer, outputs=False) as dbg:
         for i in range(STEPS):
             step(model, optimizer, x)
             assert dbg.adapter.has_pending()
@@ -143,18 +144,21 @@ def test_without_chains_the_rows_leave_the_step_in_the_optimizers_state_once_a_s
 
 
 def test_the_state_path_records_what_the_callback_path_records():
-    def run(outputs_free: bool):
+    def run(keeper_named: bool):
         model, x = MLP([4, 8, 8, 3], seed=2), batch()
         tx = graddebug_jax.monitor(optax.sgd(0.1, momentum=0.9))
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         step = train_step()
-        with graddebug.watch(model, optimizer=tx, outputs=not outputs_free) as dbg:
+        with graddebug.watch(model, optimizer=optimizer if keeper_named else tx) as dbg:
             for _ in range(STEPS):
                 step(model, optimizer, x)
                 dbg.step()
-        return dbg.frame().query("kind == 'parameter'").reset_index(drop=True)
+        # sgd's state has no step count to tie a callback to: an effectful one, then
+        assert set(dbg.adapter.routes) == {Route.STATE if keeper_named else Route.EFFECT}
+        return dbg.frame().reset_index(drop=True)
 
     stored, sent = run(True), run(False)
+    assert list(stored["layer"]) == list(sent["layer"])
     assert list(stored["tensor"]) == list(sent["tensor"])
     np.testing.assert_allclose(stored["norm"], sent["norm"], rtol=1e-6)
     np.testing.assert_allclose(stored["update_norm"], sent["update_norm"], rtol=1e-6)
@@ -186,7 +190,7 @@ def test_the_input_check_travels_in_the_optimizers_state_beside_the_rows(value, 
     tx = graddebug_jax.monitor(optax.sgd(0.0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     step = train_step()
-    with graddebug.watch(model, optimizer=tx, outputs=False) as dbg:
+    with graddebug.watch(model, optimizer=optimizer, outputs=False) as dbg:
         for i in range(3):
             x = jax.random.normal(jax.random.PRNGKey(i), (16, 4))
             step(model, optimizer, x.at[3, 1].set(value) if i == 1 else x)
@@ -215,7 +219,7 @@ def _full_run(sizes, batches, monkeypatch=None, room=None):
     step = train_step()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(graddebug_jax.transport, "send", counting_send)
-        with graddebug.watch(model, optimizer=tx) as dbg:
+        with graddebug.watch(model, optimizer=optimizer) as dbg:
             for x in batches:
                 step(model, optimizer, x)
                 dbg.step()
@@ -280,12 +284,13 @@ def test_steps_compiled_for_two_batch_shapes_in_turn_land_each_with_its_own_layo
 
 
 @pytest.mark.parametrize(("handed", "sends"), [("optimizer", 0), ("tx", 1)])
-def test_the_nnx_optimizer_handed_to_watch_keeps_the_rows_where_init_did_not_find_it(
+def test_the_nnx_optimizer_handed_to_watch_keeps_the_rows_and_tx_alone_sends_them(
         handed, sends):
+    # Nothing but the user says which object keeps a transformation's state: given tx, the
+    # same rows go by one callback a step (traced once, so one send).
     model, x = MLP([4, 8, 8, 3], seed=2), batch()
     tx = graddebug_jax.monitor(optax.adam(1e-3))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    graddebug_jax.updates.monitor_of(tx).owner = None  # as if init had not seen it
     sent = []
     real_send = graddebug_jax.transport.send
     step = train_step()
@@ -351,7 +356,7 @@ def test_a_bug_in_landing_the_stored_rows_is_an_internal_error_and_training_goes
         raise RuntimeError("boom in landing")
 
     with pytest.warns(GradDebugWarning, match="boom in landing"), \
-            graddebug.watch(model, optimizer=tx) as dbg:
+            graddebug.watch(model, optimizer=optimizer) as dbg:
         step(model, optimizer, x)
         dbg.step()
         with pytest.MonkeyPatch.context() as patch:

@@ -23,6 +23,7 @@ next dispatch. So the loop calls ``dbg.step()`` after each training step.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,13 +36,13 @@ from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOption
 from graddebug.adapter.protocol import GradientSource, TrainStep
 from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError, GradDebugError, GradientCountError
-from graddebug_jax.closing import StepRows, given_rows
-from graddebug_jax.model import ModelIndex, floating_leaves, patch_calls, path_name
-from graddebug_jax.outputs import Chains, check_inputs, probe
-from graddebug_jax.transport import Outlet, Parcel
+from graddebug_jax.closing import given_rows
+from graddebug_jax.model import ModelIndex, patch_calls, path_name
+from graddebug_jax.recorder import Recorder
+from graddebug_jax.transport import Route
 from graddebug_jax.updates import monitor_of
 
-__all__ = ["JaxAdapter", "JaxTaps"]
+__all__ = ["JaxAdapter"]
 
 _IDS = itertools.count(1)
 
@@ -50,85 +51,11 @@ _IDS = itertools.count(1)
 _KEEPS_FINITE: tuple[type, ...] = (nnx.Dropout,)
 
 
-class JaxTaps(BaseAdapter):
-    """What every adapter that records through JAX's identities shares (this one, and Keras
-    on the JAX backend): ``dbg.tap``, the pending check and the check of the model's inputs.
-    Subclasses name their parameter rows (``_name_param``), build the rows, the outlet and the
-    chains with ``_open()`` and drop them with ``_shut()``, and may set ``_tapper`` (who taps,
-    for the error of a wrong tensor)."""
+class JaxAdapter(BaseAdapter):
+    """Watches a Flax NNX model, named JAX arrays (``params=``), and taps.
 
-    _chains: Chains
-    _rows: StepRows
-    _outlet: Outlet
-    _tapper = "the JAX adapter"
-
-    def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
-        """Pass ``tensor`` through the identity that records (and alters) its cotangent."""
-        if not isinstance(tensor, jax.Array) or not jnp.issubdtype(tensor.dtype, jnp.floating):
-            raise ConfigError(
-                f"tap({type(tensor).__name__}, {name!r}): {self._tapper} taps floating-point "
-                "jax arrays (and tracers inside jit/grad) only.")
-        layer = self._tap_layer(name, intervention)
-        if layer.depth < 0:
-            layer.depth = self._take_depth()
-        return self._chains.watch(tensor, layer, "output")
-
-    @property
-    def transfers(self) -> int:
-        """Device-to-host transfers of statistics so far (callbacks and fetches)."""
-        return self._rows.transfers
-
-    def has_pending(self) -> bool:
-        """Whether a backward pass or an update delivered rows since the last close (waits
-        for the callbacks in flight)."""
-        return self._rows.pending()
-
-    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The model's floating array arguments, ``args.<i>`` and ``kwargs.<name>``, checked
-        for NaN/Inf on the device (:func:`~.outputs.check_inputs`): a non-finite one is an
-        ``input_nonfinite`` event of the step, the data's fault."""
-        named = [*((f"args.{i}", a) for i, a in enumerate(args)),
-                 *((f"kwargs.{k}", v) for k, v in kwargs.items())]
-        floating = [(label, a) for label, a in named
-                    if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
-        if floating:
-            check_inputs([a for _, a in floating], [label for label, _ in floating],
-                         self._rows.add_inputs, self._outlet)
-
-    def _name_param(self, path: str) -> tuple[str, str, int]:
-        """``(layer, tensor, depth)`` of a parameter row (:data:`.closing.ParamNamer`)."""
-        raise NotImplementedError
-
-    def _open(self) -> None:
-        """The rows, the outlet and the chains of a new adapter."""
-        self._rows = StepRows(self._name_param, self._fail_open("step"))
-        self._outlet = Outlet(self._rows.received, self._rows.hold, self._ctx.internal_error)
-        self._chains = Chains(self._rows.add_layers, self._ctx.internal_error, self._outlet)
-
-    def _shut(self) -> None:
-        """Forget what the rows, the outlet and the chains hold (detach)."""
-        self._chains.reset()
-        self._outlet.reset()
-        self._rows.clear()
-
-    def _settle(self) -> bool:
-        """Before a close: drop the parcels no carrier gathered. Where one was a chain, the
-        update that was to carry it runs in another compiled function: warn once, and let the
-        chains send their rows themselves from the next trace on. Returns whether one was."""
-        if not self._outlet.orphans():
-            return False
-        self._outlet.stop_carrying()
-        self._ctx.warn_once("jax-orphan", (
-            "graddebug: a backward pass was compiled apart from the optimizer update that was "
-            "to carry its layer-output rows to the host (one transfer per step); its rows are "
-            "missing until it is traced again, and from then on it sends them itself (a "
-            "second transfer per step). Put the gradient and optimizer.update in one jitted "
-            "step to keep one."))
-        return True
-
-
-class JaxAdapter(JaxTaps):
-    """Watches a Flax NNX model, named JAX arrays (``params=``), and taps."""
+    What it records travels through its :class:`~graddebug_jax.recorder.Recorder`, the public
+    interface that Keras on the JAX backend uses too."""
 
     name = "jax"
     capabilities = frozenset({GradientSource, TrainStep})
@@ -158,7 +85,8 @@ class JaxAdapter(JaxTaps):
                     f"params[{key!r}] is a {type(value).__name__}; the JAX adapter records "
                     "jax arrays (the gradients then come from dbg.step(grads)).")
         self._add_param_keys(self._params)
-        self._open()
+        self._recorder = Recorder(self._name_param, self._fail_open("step"),
+                                  context.internal_error, context.warn_once)
         self._patches: Any = None
         self._param_vars: list[Any] | None = None
         self._monitors: list[Any] = []
@@ -182,38 +110,59 @@ class JaxAdapter(JaxTaps):
         for mon in self._monitors:
             mon.bind(None)
         self._monitors.clear()
-        self._shut()
+        self._recorder.reset()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Wait for the callbacks, turn what arrived into records, add the rows of ``grads``
         (a pytree of gradients, or a list aligned with ``params=``)."""
-        if self._settle() and self._patches is not None:
+        if self._recorder.settle() and self._patches is not None:
             self._patches.relabel()  # a new graph definition: nnx.jit traces again
         stored = any(mon.layout is not None for mon in self._monitors)
-        if self._outlet.tied and not stored:  # the callback is done once the update is
+        if self._recorder.tied and not stored:  # the callback is done once the update is
             jax.block_until_ready(self._param_values())  # applied
         if not record:
             for mon in self._monitors:
                 mon.skip()
-            self._rows.pending()
-            self._rows.clear()
-            return StepResult()
+            return self._recorder.skip()
         for mon in self._monitors:  # what updates stored in their state: the close's fetch
             parcel = mon.collect()
             if parcel is not None:
-                self._rows.hold(parcel)
+                self._recorder.hold(parcel)
         if grads is not None:
             paths, leaves = self._given(grads)
             rows = given_rows(leaves, self._options.param_stats == "full")
             shapes = [tuple(np.shape(g)) for g in leaves]
-            self._rows.hold(Parcel([rows], lambda values: self._rows.add_params(
-                paths, shapes, values[0])))
-        return self._rows.close(step)
+            self._recorder.hold_params(paths, shapes, rows)
+        return self._recorder.close(step)
 
     def has_pending(self) -> bool:
         """Whether rows arrived or wait since the last close, counting the statistics an
-        update stored in its optimizer's state (read without a transfer)."""
-        return any(mon.fresh() for mon in self._monitors) or super().has_pending()
+        update stored in its optimizer's state (read without a transfer); waits for the
+        callbacks in flight."""
+        return any(mon.fresh() for mon in self._monitors) or self._recorder.pending()
+
+    def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
+        """Pass ``tensor`` through the identity that records (and alters) its cotangent.
+
+        Raises:
+            ConfigError: ``tensor`` is not a floating-point JAX array.
+        """
+        Recorder.check_tap(tensor, name, "the JAX adapter")
+        layer = self._tap_layer(name, intervention)
+        if layer.depth < 0:
+            layer.depth = self._take_depth()
+        return self._recorder.watch(tensor, layer)
+
+    @property
+    def transfers(self) -> int:
+        """Device-to-host transfers of statistics so far (callbacks and fetches)."""
+        return self._recorder.transfers
+
+    @property
+    def routes(self) -> Counter[Route]:
+        """How many batches of parcels took each route to the host so far
+        (:class:`graddebug_jax.transport.Route`)."""
+        return self._recorder.routes
 
     # -- capabilities -------------------------------------------------------------------------
 
@@ -230,20 +179,20 @@ class JaxAdapter(JaxTaps):
             raise ConfigError(
                 f"optimizer={type(optimizer).__name__} is not a graddebug_jax.monitor(...) "
                 "transformation: wrap it, tx = graddebug_jax.monitor(optax.adam(1e-3)), build "
-                "the nnx.Optimizer from tx and pass optimizer=tx; or hand the gradients to "
-                "dbg.step(grads).")
+                "the nnx.Optimizer from tx and pass that nnx.Optimizer as optimizer=; or hand "
+                "the gradients to dbg.step(grads).")
         if isinstance(optimizer, nnx.Optimizer):  # the state's keeper, named by the user
-            mon.adopt(optimizer)
+            mon.adopt(optimizer)  # (given tx alone, the statistics go by callback)
         if mon.silent and self._index is None:
             self._ctx.warn_once("jax-silent", (
                 "graddebug: the optimizer's update was compiled before watch() began, with no "
                 "Watcher to report to, and measures nothing; with no model given, nnx.jit has "
                 "no reason to trace it again. Pass the model, watch(model, optimizer=...), or "
                 "compile the step inside the with block."))
-        mon.bind(self._on_update, self._options.param_stats == "full", self._outlet)
-        self._outlet.carried = True
+        mon.bind(self._on_update, self._options.param_stats == "full",
+                 self._recorder.transport)
         # The close can wait for the update's output only where it sees the parameters.
-        self._outlet.tied = self._index is not None
+        self._recorder.carry(tied=self._index is not None)
         if mon not in self._monitors:
             self._monitors.append(mon)
 
@@ -275,16 +224,26 @@ class JaxAdapter(JaxTaps):
     def _on_call(self, name: str, call: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         """A watched module's call: its inputs probed, its floating outputs watched; the
-        root's inputs checked for NaN/Inf (the data)."""
+        root's inputs checked for NaN/Inf (the data), posted once its output exists."""
+        check = None
         if self._index is not None and name == self._index.root:
             with self._fail_open(name):
-                self._check_inputs(args, kwargs)
+                check = self._recorder.check_inputs(args, kwargs)
         layer = self._layers.get(name)
         if layer is None or not layer.capture:  # the root, patched for its inputs only
-            return call(*args, **kwargs)
-        flags: list[list[bool]] = []
+            out = call(*args, **kwargs)
+        else:
+            out = self._captured(name, layer, call, args, kwargs)
+        if check is not None:
+            with self._fail_open(name):
+                return self._recorder.post_with(out, check)
+        return out
+
+    def _captured(self, name: str, layer: LayerSpec, call: Callable[..., Any],
+                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``call`` with its inputs probed and its floating outputs watched (fail-open)."""
         try:
-            args = tuple(self._probed(a, flags) for a in args)
+            args, flags = self._recorder.probe_args(args)
         except GradDebugError:
             raise
         except Exception as exc:  # fail-open: run the module untouched
@@ -292,34 +251,14 @@ class JaxAdapter(JaxTaps):
             return call(*args, **kwargs)
         out = call(*args, **kwargs)
         with self._fail_open(name):
-            return self._watch_output(layer, out, any(f[0] for f in flags))
+            if layer.depth < 0:
+                layer.depth = self._take_depth()
+            return self._recorder.watch_output(layer, out, any(f[0] for f in flags))
         return out
-
-    @staticmethod
-    def _probed(arg: Any, flags: list[list[bool]]) -> Any:
-        if isinstance(arg, jax.Array) and jnp.issubdtype(arg.dtype, jnp.floating):
-            out, flag = probe(arg)
-            flags.append(flag)
-            return out
-        return arg
-
-    def _watch_output(self, layer: LayerSpec, out: Any, inputs_need_grad: bool) -> Any:
-        if layer.depth < 0:
-            layer.depth = self._take_depth()
-        watched = dict(floating_leaves(out))
-        if not watched:
-            return out
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
-        leaves = []
-        for path, leaf in with_paths:
-            label = "output" if not path else f"output.{path_name(path)}"
-            leaves.append(self._chains.watch(leaf, layer, label, inputs_need_grad)
-                          if label in watched else leaf)
-        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def _on_update(self, paths: list[str], rows: np.ndarray) -> None:
         """An optax monitor's rows (the runtime's thread)."""
-        self._rows.add_params(paths, self._shapes(paths), rows)
+        self._recorder.add_params(paths, self._shapes(paths), rows)
 
     # -- parameters ---------------------------------------------------------------------
 
@@ -391,3 +330,4 @@ class JaxAdapter(JaxTaps):
     def _model_layer_names(self) -> list[str]:
         """Every module name of the model, watched or not (for suggestions)."""
         return list(self._index.named) if self._index is not None else []
+

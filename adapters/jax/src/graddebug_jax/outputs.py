@@ -35,10 +35,21 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from graddebug.capture.layers import Intervention, LayerSpec, intervene_fail_open
+from graddebug_jax.model import path_name
 from graddebug_jax.stats import ACT_COLUMNS, activation_row, forward_code
 from graddebug_jax.transport import Outlet, Parcel
 
-__all__ = ["CAPACITY", "Chains", "Site", "apply_intervention", "check_inputs", "probe"]
+__all__ = [
+    "CAPACITY",
+    "Chains",
+    "Site",
+    "apply_intervention",
+    "check_inputs",
+    "post_with",
+    "probe",
+    "probe_args",
+    "watch_leaves",
+]
 
 CAPACITY = 128
 """Slots of one token chain; a trace with more identities starts another chain (and another
@@ -94,14 +105,80 @@ def apply_intervention(grad: jax.Array, spec: Intervention) -> jax.Array:
     return out
 
 
-def check_inputs(arrays: Sequence[jax.Array], labels: Sequence[str],
-                 deliver: Callable[[Sequence[str], np.ndarray], None], outlet: Outlet) -> None:
-    """Check the model's floating inputs for NaN/Inf in the forward pass, inside the trace:
-    each array's :func:`~.stats.forward_code` (one reduction), posted to ``outlet`` as a parcel
-    that travels with the step's other statistics and reaches ``deliver`` with ``labels``."""
-    codes = jnp.stack([forward_code(a) for a in arrays])
-    names = list(labels)
-    outlet.post(Parcel([codes], lambda values: deliver(names, values[0]), rows=False))
+def check_inputs(args: tuple[Any, ...], kwargs: dict[str, Any],
+                 deliver: Callable[[Sequence[str], np.ndarray], None]) -> Parcel | None:
+    """Check a model's floating array arguments, ``args.<i>`` and ``kwargs.<name>``, for
+    NaN/Inf in the forward pass, inside the trace: each one's :func:`~.stats.forward_code`
+    (one reduction), as a parcel that reaches ``deliver`` with the labels (None where no
+    argument is a floating array). Post it with :func:`post_with` once the model has run."""
+    named = [*((f"args.{i}", a) for i, a in enumerate(args)),
+             *((f"kwargs.{k}", v) for k, v in kwargs.items())]
+    floating = [(label, a) for label, a in named if _floating(a)]
+    if not floating:
+        return None
+    codes = jnp.stack([forward_code(a) for _, a in floating])
+    names = [label for label, _ in floating]
+    return Parcel([codes], lambda values: deliver(names, values[0]), rows=False)
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, jax.Array) and bool(jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def post_with(out: Any, parcel: Parcel, outlet: Outlet) -> Any:
+    """Post ``parcel`` (made in a forward pass) to ``outlet`` from the forward rule of an
+    identity on ``out``'s first floating leaf, and return ``out`` (the same values).
+
+    A forward pass that is differentiated runs with the differentiation's trace current, but
+    the rule runs with the compiled step's, where the carrier gathers the trace's parcels
+    (:mod:`.transport`); undifferentiated, the primal runs and posts. An eager parcel, or an
+    ``out`` with no floating leaf, is posted at once."""
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    at = next((i for i, leaf in enumerate(leaves) if _floating(leaf)), None)
+    if at is None or not parcel.traced:
+        outlet.post(parcel)
+        return out
+
+    @jax.custom_vjp
+    def ident(x: Any) -> Any:
+        outlet.post(parcel)
+        return x
+
+    def fwd(x: Any) -> tuple[Any, None]:
+        outlet.post(parcel)
+        return x, None
+
+    def bwd(_: None, ct: Any) -> tuple[Any]:
+        return (ct,)
+
+    ident.defvjp(fwd, bwd)
+    leaves[at] = ident(leaves[at])
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def probe_args(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[list[bool]]]:
+    """``args`` with each floating array passed through :func:`probe`, and the flags that
+    say, once the module has run, whether that input needed a gradient."""
+    flags: list[list[bool]] = []
+    probed = []
+    for arg in args:
+        if _floating(arg):
+            arg, flag = probe(arg)
+            flags.append(flag)
+        probed.append(arg)
+    return tuple(probed), flags
+
+
+def watch_leaves(chains: Chains, layer: LayerSpec, out: Any, inputs_need_grad: bool) -> Any:
+    """``out`` with each floating leaf passed through ``chains``' identities, labelled
+    ``"output"`` (one array), ``"output.0"`` or ``"output.key"`` (a pytree)."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
+    leaves = []
+    for path, leaf in with_paths:
+        label = "output" if not path else f"output.{path_name(path)}"
+        leaves.append(chains.watch(leaf, layer, label, inputs_need_grad)
+                      if _floating(leaf) else leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _fits(out: Any, grad: Any) -> bool:

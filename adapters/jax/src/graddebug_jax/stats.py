@@ -11,8 +11,8 @@ they cost no pass of their own.
 A parameter row (:data:`PARAM_COLUMNS`) holds the gradient's sum of squares (plus its sum and
 absolute maximum with ``param_stats="full"``), and the sums of squares of the weight and of the
 update the optimizer applied. The gradient's are exact. The weight's and the update's are read
-from a fixed strided sample of at most :data:`SAMPLE` entries (:mod:`graddebug.sampling`), as
-the torch adapter reads them: reading every entry of both tripled the bytes the statistics
+from the fixed strided samples of the plan every adapter shares
+(:func:`graddebug.sampling.plan`): reading every entry of both tripled the bytes the statistics
 read. On a 16-layer 512-wide MLP (``benchmarks/overhead_jax.py``, ``mlp-512``) the statistics
 cost 0.13 of the plain step inside it read whole, 0.06 sampled, against 0.05 for one pass over
 the gradients.
@@ -27,14 +27,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from graddebug.sampling import row_lengths, sample_stride
+from graddebug.sampling import plan
 
 __all__ = [
     "ACT_COLUMNS",
     "FORWARD_INF",
     "FORWARD_NAN",
     "PARAM_COLUMNS",
-    "SAMPLE",
     "activation_row",
     "forward_code",
     "param_rows",
@@ -121,17 +120,11 @@ def activation_row(grad: Any, pre: Any, forward_bad: Any) -> jax.Array:
     return jnp.stack([sumsq, total, absmax, zero_frac, pre_sumsq, jnp.float32(1.0), bad])
 
 
-SAMPLE = 1024
-"""The most entries of a weight or an update that its sum of squares reads (the torch
-adapter's :data:`graddebug_torch.samples.MOST`); a smaller tensor is read whole, exactly."""
-
-
-def sampled_sumsq(leaf: Any) -> jax.Array:
-    """The sum of squares of ``leaf``: exact up to :data:`SAMPLE` entries, else that of every
-    ``stride``-th entry (:func:`graddebug.sampling.sample_stride`) times ``numel / taken``."""
+def sampled_sumsq(leaf: Any, stride: int) -> jax.Array:
+    """The sum of squares of ``leaf``: exact where ``stride`` is 1, else that of every
+    ``stride``-th entry (:func:`graddebug.sampling.plan`) times ``numel / taken``."""
     x = jnp.asarray(leaf)
     numel = int(x.size)
-    stride = sample_stride(numel, SAMPLE, row_lengths(x.shape)) if numel else 1
     part = (jnp.ravel(x)[::stride] if stride > 1 else x).astype(jnp.float32)
     total = jnp.sum(part * part)
     return total * (numel / int(part.size)) if stride > 1 else total
@@ -150,12 +143,13 @@ def param_rows(grads: Sequence[Any], updates: Sequence[Any] | None,
     The weights' and updates' sums of squares are :func:`sampled_sumsq`'s.
     """
     rows = []
+    strides = [s.stride for s in plan([jnp.shape(g) for g in grads])]
     for i, grad in enumerate(grads):
         g = jnp.asarray(grad).astype(jnp.float32)
         total = jnp.sum(g) if full else _nan()
         absmax = (jnp.max(jnp.abs(g)) if g.size else jnp.float32(0.0)) if full else _nan()
-        weight = sampled_sumsq(weights[i]) if weights is not None else _nan()
-        update = sampled_sumsq(updates[i]) if updates is not None else _nan()
+        weight = sampled_sumsq(weights[i], strides[i]) if weights is not None else _nan()
+        update = sampled_sumsq(updates[i], strides[i]) if updates is not None else _nan()
         rows.append(jnp.stack([jnp.sum(g * g), total, absmax, weight, update]))
     if not rows:
         return jnp.zeros((0, len(PARAM_COLUMNS)), jnp.float32)

@@ -1,67 +1,97 @@
-"""How a step's statistics leave the device: once per recorded step.
+"""How a step's statistics leave the device: once per recorded step, by one of four routes.
 
 Every source of rows (a backward pass's chain of layer outputs, the model's input check, an
 optax monitor's update, Keras's loss) hands a :class:`Parcel` to the adapter's :class:`Outlet`.
-What the outlet does with it depends on where it was made:
+A traced parcel waits in its trace until a *carrier* gathers every parcel of that trace: the
+optimizer's update (the optax monitor, Keras's ``stateless_apply``) where one is bound, since it
+runs after the backward pass in the same compiled step; else the backward pass's last sink.
+:func:`choose_route` then picks the route, the one place where that choice is made:
 
-- **Eager** (the arrays are concrete): the parcel is held, and the step's close fetches every
-  held parcel in one transfer.
-- **Traced** (inside ``jax.jit``/``nnx.jit``): the parcel waits in the trace until a *carrier*
-  gathers every parcel of that trace, into one host callback or into the optax monitor's
-  state (:meth:`Outlet.take_trace`, :mod:`.updates`). The carrier is the optimizer's
-  update (the optax monitor, Keras's ``stateless_apply``) where one is bound, since it runs
-  after the backward pass in the same compiled step; else the backward pass's last sink.
-  A traced parcel that no carrier gathered (the update compiled apart from the backward pass)
-  is an *orphan*: the close finds it, warns once, and the adapter sends its chains' rows
-  itself from then on (:meth:`Outlet.stop_carrying`).
+=========== ============================== ================================ ===================
+route       chosen where                   how the rows travel              when they land
+=========== ============================== ================================ ===================
+``HELD``    the parcel's arrays are        held on the host side as device  at the close, which
+            concrete (eager code)          arrays                           fetches every held
+                                                                            parcel at once
+``STATE``   a monitor carries them, the    written into the monitor's state at the close, which
+            ``nnx.Optimizer`` that keeps   (:class:`.updates.MonitorState`, fetches the state
+            its state is known, and they   behind a layout key), which      as a held parcel
+            fit its room                   ``nnx.jit`` hands back
+``TIED``    a carrier whose output the     one ``jax.pure_callback``, its   when the step runs;
+            close waits for (an update's   zero result folded into the      the close waits for
+            step count; the model given)   carrier's integer output         the weights
+``EFFECT``  any other traced parcel: no    one ``jax.debug.callback``       when the step runs;
+            carrier, or one the close                                       the close waits
+            cannot wait for (Keras fit)                                     with
+                                                                            ``effects_barrier``
+=========== ============================== ================================ ===================
 
-A carrier's callback is a ``jax.pure_callback`` whose (zero) result is subtracted from an
-integer array of the carrier's output (an optimizer's step count), which keeps it from being
-removed as dead code and changes no value. Not a floating one: tying it to an update, even as
-``x - 0.0`` or as an XOR of the bits with 0, changed how XLA fused the update and the last
-bit of some weights after a few steps (the observer-effect test caught it); the count is
-computed apart from the weights. The close waits for the weights the same compiled step
-wrote, which the runtime marks ready when the whole step (the callback included) has run
-(:attr:`Outlet.tied`). An effectful
-``jax.debug.callback`` would do the same work, but any effect in a compiled program sends
-every call of it down JAX's Python dispatch path instead of its C++ one: measured on the
-shared 2-core CPU (``nnx.jit`` train step of the benchmark transformer, 300 interleaved
-steps), plain 7.0 ms, with one ``debug.callback`` 9.3 ms, with one tied ``pure_callback``
-7.8 ms. Elsewhere (a sink that sends its chain itself, or a carrier whose output the close
-cannot wait for) the outlet uses ``debug.callback``, whose effect ``jax.effects_barrier()``
-waits for.
+A traced parcel that no carrier gathered (the update compiled apart from the backward pass) is
+an *orphan*: the close finds it, warns once, and the adapter's sinks send their chains' rows
+themselves from then on (:meth:`Outlet.stop_carrying`).
 
-What one callback still costs, on the CPU: any host callback makes the compiled step run
-synchronously (the call returns only when the step is done; a 150 ms step measured 0.15 ms to
-dispatch without one, 176 ms with one), so the Python work of ``nnx.jit`` (flattening the
-model's graph, about 1-2 ms here) no longer overlaps the computation. Measured on the
-benchmark's step (400 interleaved steps): the same parameter reductions returned as outputs
-cost 2-5% over plain, and with one tied ``pure_callback`` 18-33%. Hence the monitor's state:
-an ``nnx.Optimizer`` writes it back out of ``nnx.jit`` like any output, and the close fetches
-it. A state whose shapes changed would retrace the step, so its room is fixed when the
-optimizer is built, from the parameters' count (:func:`.updates.extra_size`): the
-parameter rows, the input codes, and a backward pass's layer-output rows where they fit (a
-chain's size is known only once the model is traced). Measured with
-``benchmarks/overhead_jax.py`` (interleaved runs, 2-core CPU), ``params`` configuration:
-MLP 1.52-1.53x with the callback, 1.23-1.24x with the state; transformer 1.24-1.30x and
-1.19-1.21x.
+Why four: an effectful ``jax.debug.callback`` sends every call of a compiled step down JAX's
+Python dispatch path instead of its C++ one, which a ``pure_callback`` tied to an integer
+output of the step avoids (tied to a floating one, even as ``x - 0.0``, it changed how XLA
+fused the update and the last bit of some weights); any host callback makes a compiled step
+run synchronously on the CPU, which the state route avoids; and eager code has nothing to
+compile a callback into. The performance page gives the measurements.
+
+Parcels of one trace are told apart from those of another by the trace that is current when
+each is posted (``jax.extend.core.get_opaque_trace_state``): a chain's sink and a carrier run
+with the compiled step's trace current; the input check and Keras's loss post from the forward
+rule of a ``custom_vjp`` identity, which runs there too (:func:`.outputs.post_with`).
 """
 
 from __future__ import annotations
 
+import enum
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Land", "Outlet", "Parcel", "send"]
+__all__ = ["Land", "Outlet", "Parcel", "Route", "choose_route", "send"]
 
 Land = Callable[[Sequence[np.ndarray]], None]
 """``land(values)``: turns a parcel's arrays, now numpy on the host, into pending rows."""
+
+
+class Route(enum.Enum):
+    """How a parcel's rows leave the device (the table of the module's docstring)."""
+
+    HELD = "held"
+    """Eager: held as device arrays; the close fetches every held parcel in one transfer."""
+    STATE = "state"
+    """Written into the monitor's state; the close fetches it from the ``nnx.Optimizer``."""
+    TIED = "tied"
+    """One ``jax.pure_callback`` folded into the carrier's integer output."""
+    EFFECT = "effect"
+    """One ``jax.debug.callback``; the close waits for it with ``jax.effects_barrier()``."""
+
+
+def choose_route(*, traced: bool, fits_state: bool = False, tie: bool = False) -> Route:
+    """The route of a batch of parcels, the one choice of this module.
+
+    Args:
+        traced: Any of their arrays is a tracer (inside ``jit``).
+        fits_state: A monitor carries them, the ``nnx.Optimizer`` that keeps its state is
+            known, and they fit the state's room.
+        tie: The carrier has an integer output the close waits for.
+    """
+    if not traced:
+        return Route.HELD
+    if fits_state:
+        return Route.STATE
+    if tie:
+        return Route.TIED
+    return Route.EFFECT
 
 
 @dataclass
@@ -82,19 +112,15 @@ class Parcel:
     rows: bool = True
     chain: bool = False
 
-
-def _trace(parcel: Parcel) -> Any:
-    """The trace that made the parcel's arrays. Not the trace current where it is posted: the
-    input check runs under ``grad``'s trace, but on arrays of the enclosing ``jit``'s, which
-    is where the carrier runs."""
-    for array in parcel.arrays:
-        if isinstance(array, jax.core.Tracer):
-            return array._trace
-    return None
+    @property
+    def traced(self) -> bool:
+        """Whether any of its arrays is a tracer."""
+        return any(isinstance(a, jax.core.Tracer) for a in self.arrays)
 
 
-def _concrete(parcel: Parcel) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in parcel.arrays)
+def _current_trace() -> Any:
+    """The trace current now, as an opaque key (JAX's public handle on it)."""
+    return jax.extend.core.get_opaque_trace_state(convention="nnx")
 
 
 def _unpack(parcels: list[Parcel], values: Sequence[Any]) -> None:
@@ -117,14 +143,14 @@ def _integer_leaf(leaves: list[Any]) -> int | None:
 
 def send(parcels: list[Parcel], received: Callable[[], None], tie: Any = None,
          on_bug: Callable[[BaseException, str], None] | None = None) -> Any:
-    """Hand ``parcels`` to the host in one callback; return ``tie`` with the callback's (zero)
-    result folded into its smallest integer leaf (the same values).
+    """Hand ``parcels`` to the host in one callback: :attr:`Route.TIED` where ``tie`` has an
+    integer leaf (returned with the callback's zero result folded into its smallest one, the
+    same values), else :attr:`Route.EFFECT` (``tie`` returned as it is).
 
     Args:
         parcels: What goes to the host, traced.
         received: Called on the host once per delivery (the transfer count).
-        tie: A pytree of the carrier's output that the compiled step keeps; None (or one
-            without an integer leaf) falls back to ``jax.debug.callback``.
+        tie: A pytree of the carrier's output that the compiled step keeps, or None.
         on_bug: Records a bug of the host side, which must not fail the compiled step
             (fail-open); None lets it raise.
     """
@@ -174,56 +200,63 @@ class Outlet:
         self.carried = False
         """Whether a carrier (an optimizer update in the same trace) gathers the chains."""
         self.tied = False
-        """Whether a carrier may tie its callback to its output (:func:`send`): only where the
-        close can wait for that output, since ``jax.effects_barrier()`` does not wait for a
-        ``pure_callback``."""
+        """Whether a carrier may tie its callback to its output (:attr:`Route.TIED`): only
+        where the close can wait for that output, since ``jax.effects_barrier()`` does not wait
+        for a ``pure_callback``."""
+        self.routes: Counter[Route] = Counter()
+        """How many batches took each route (counted when chosen: once a trace, once an
+        eager step)."""
+
+    def route(self, parcels: Sequence[Parcel], *, fits_state: bool = False, tie: Any = None
+              ) -> Route:
+        """:func:`choose_route` for ``parcels``, counted in :attr:`routes`."""
+        chosen = choose_route(
+            traced=any(p.traced for p in parcels), fits_state=fits_state,
+            tie=self.tied and _integer_leaf(jax.tree_util.tree_leaves(tie)) is not None)
+        self.routes[chosen] += 1
+        return chosen
 
     def post(self, parcel: Parcel) -> None:
         """A source's parcel: held when eager, else left in its trace for a carrier."""
-        if _concrete(parcel):
+        if not parcel.traced:
             self._hold(parcel)
             return
         with self._lock:
-            self._waiting.append((_trace(parcel), parcel))
+            self._waiting.append((_current_trace(), parcel))
 
     def gather(self, own: Parcel | None = None, tie: Any = None) -> Any:
-        """Send ``own`` and every parcel waiting in its trace, in one callback (or hold them,
-        eager); return ``tie`` as :func:`send` does."""
-        mine = [] if own is None else self._take(_trace(own))
-        if own is not None:
-            mine.append(own)
+        """Send ``own`` and every parcel waiting in the current trace, in one callback (or
+        hold them, eager); return ``tie`` as :func:`send` does."""
+        mine = [] if own is None else [*self.take_trace(), own]
         if not mine:
             return tie
-        if all(_concrete(p) for p in mine):
+        chosen = self.route(mine, tie=tie)
+        if chosen is Route.HELD:
             for parcel in mine:
                 self._hold(parcel)
             return tie
-        if not self.tied:
-            send(mine, self._received, None, self._on_bug)
-            return tie
-        return send(mine, self._received, tie, self._on_bug)
+        if chosen is Route.TIED:
+            return send(mine, self._received, tie, self._on_bug)
+        send(mine, self._received, None, self._on_bug)
+        return tie
 
     def sink(self, chain: Parcel) -> None:
         """A backward pass's chain is complete: post it where a carrier will gather it, else
-        send it now with the trace's other parcels (``jax.debug.callback``: the close has
+        send it now with the trace's other parcels (:attr:`Route.EFFECT`: the close has
         nothing of this trace's outputs to wait on, only the effects barrier)."""
-        if self.carried or _concrete(chain):
+        if self.carried or not chain.traced:
             self.post(chain)
             return
-        send([*self._take(_trace(chain)), chain], self._received, None, self._on_bug)
+        mine = [*self.take_trace(), chain]
+        self.route(mine)
+        send(mine, self._received, None, self._on_bug)
 
-    def take_trace(self, own: Parcel) -> list[Parcel]:
-        """The parcels waiting in ``own``'s trace, no longer waiting (for a carrier that
-        stores them instead of sending them)."""
-        return self._take(_trace(own))
-
-    def _take(self, trace: Any) -> list[Parcel]:
-        """The parcels waiting in ``trace``, no longer waiting."""
-        if trace is None:
-            return []
+    def take_trace(self) -> list[Parcel]:
+        """The parcels waiting in the current trace, no longer waiting (for a carrier)."""
+        trace = _current_trace()
         with self._lock:
-            mine = [p for t, p in self._waiting if t is trace]
-            self._waiting = [(t, p) for t, p in self._waiting if t is not trace]
+            mine = [p for t, p in self._waiting if t == trace]
+            self._waiting = [(t, p) for t, p in self._waiting if t != trace]
         return mine
 
     def orphans(self) -> bool:

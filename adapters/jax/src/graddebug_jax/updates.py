@@ -6,22 +6,22 @@ It wraps ``inner`` as optax's own wrappers do (``optax.apply_if_finite``,
 ``optax.MultiSteps``): its state is a :class:`MonitorState`, ``inner``'s state and the
 statistics of the last update. Bind it to a Watcher with ``graddebug.watch(model,
 optimizer=tx)``; unbound, it measures nothing. Its statistics are computed inside the
-compiled step, and its update is the step's carrier (:mod:`.transport`). Where an
-``nnx.Optimizer`` holds its state (the optimizer that called ``init``), the parameter rows and
+compiled step, and its update is the step's carrier (:mod:`.transport`). Where the
+``nnx.Optimizer`` that holds its state is known (``watch(optimizer=<the nnx.Optimizer>)``
+names it: :meth:`Monitor.adopt`), the parameter rows and
 every parcel waiting beside them in the trace (the backward pass's layer-output rows, the
 input check) leave the step as that state, which ``nnx.jit`` writes back without waiting: no
 host callback, which would make the step run synchronously (measured in :mod:`.transport`); the
 close fetches them (:meth:`Monitor.collect`). The state's room for them is fixed when the
 optimizer is built, before the model is traced (:func:`extra_size`), so that the step never
 retraces for it; a trace whose parcels do not fit, a chain of more layer outputs than the
-room holds, sends them as it does elsewhere (a plain optax loop that keeps the state itself):
-in one callback per update.
+room holds, sends them as it does elsewhere (a plain optax loop that keeps the state itself,
+or ``watch(optimizer=tx)``, which does not say who keeps it): in one callback per update.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -88,8 +88,13 @@ class Monitor:
         self.sink: ParamSink | None = None
         self.full = False
         self.outlet: Outlet | None = None
-        self.owner: weakref.ref[Any] | None = None
-        """The ``nnx.Optimizer`` that called ``init``: the close reads the state from it."""
+        self.keeper: weakref.ref[Any] | None = None
+        """The ``nnx.Optimizer`` that keeps this transformation's state, named by the user
+        (:meth:`adopt`): the close reads the state from it."""
+        self.nnx_kept = False
+        """Whether ``init`` was handed an ``nnx.State``, as an ``nnx.Optimizer`` hands it: the
+        state is then some NNX object's, which ``nnx.jit`` writes back and traces again on
+        entering and leaving a ``watch`` block (the model's graph changes)."""
         self.layout: list[_Stored] | None = None
         """Where the last trace stored its parcels in the state (None: it sent them)."""
         self._layouts: dict[int, list[_Stored]] = {}
@@ -108,14 +113,16 @@ class Monitor:
         self._seen = stored[0] if stored is not None else None  # older rows are not news
 
     def adopt(self, optimizer: Any) -> None:
-        """Read the statistics from ``optimizer``'s state: an ``nnx.Optimizer`` built on this
-        transformation, handed to ``watch(optimizer=...)``; :meth:`init` finds the one that
-        calls it, so this matters only where that failed."""
-        self.owner = weakref.ref(optimizer)
+        """Read the statistics from ``optimizer``'s state: the ``nnx.Optimizer`` built on this
+        transformation, handed to ``watch(optimizer=...)``. Nothing else says which object
+        keeps a transformation's state; without it the statistics go by callback
+        (:attr:`.transport.Route.TIED`)."""
+        self.keeper = weakref.ref(optimizer)
+        self.nnx_kept = True
 
     def _keeper(self) -> Any:
         """The ``nnx.Optimizer`` that keeps this transformation's state, if known and alive."""
-        return self.owner() if self.owner is not None else None
+        return self.keeper() if self.keeper is not None else None
 
     def _land(self, paths: list[str], values: Any) -> None:
         sink = self.sink  # read when the step runs: one compiled step serves any binding
@@ -124,13 +131,7 @@ class Monitor:
 
     def init(self, params: Any) -> MonitorState:
         """``inner``'s state and room for the statistics."""
-        # The caller's frame is the only place the nnx.Optimizer that keeps this state shows
-        # itself (it calls init from its constructor): neither the model nor the traced
-        # update leads back to it. watch(optimizer=<the nnx.Optimizer>) names it outright
-        # (adopt); found neither way, the statistics go by callback.
-        caller = sys._getframe(1).f_locals.get("self")
-        if isinstance(caller, nnx.Optimizer):
-            self.owner = weakref.ref(caller)
+        self.nnx_kept = self.nnx_kept or isinstance(params, nnx.State)
         count = len(jax.tree_util.tree_leaves(params))
         return MonitorState(self.inner.init(params),
                             jnp.zeros((count, len(PARAM_COLUMNS)), jnp.float32),
@@ -144,7 +145,7 @@ class Monitor:
         if self.outlet is None:
             traced = any(isinstance(leaf, jax.core.Tracer)
                          for leaf in jax.tree_util.tree_leaves(updates))
-            if not traced or self._keeper() is not None:
+            if not traced or self.nnx_kept:
                 # No Watcher bound: measure nothing, eager (a later binding hears of the next
                 # step) or for an nnx.Optimizer (entering watch(model) changes the model's
                 # graph, so nnx.jit traces the step again). The callback below would make
@@ -163,8 +164,8 @@ class Monitor:
                           self.full)
 
         outlet = self.outlet
-        if outlet is None:  # a plain optax loop traced unbound: a later binding hears of it
-            self.layout = None
+        if outlet is None:  # a plain optax loop traced unbound: a later binding hears of it,
+            self.layout = None  # by Route.EFFECT (no outlet: the monitor lands the rows)
             jax.debug.callback(lambda values: self._land(paths, values), rows)
             return new_updates, MonitorState(new_inner, state.rows, jnp.zeros_like(state.extra))
         parcel = Parcel([rows], lambda values: self._land(paths, values[0]))
@@ -178,12 +179,13 @@ class Monitor:
 
     def _store(self, outlet: Outlet, own: Parcel, fits: bool, room: int) -> Any:
         """The ``extra`` of the state that carries ``own``'s trace's other parcels (``own`` is
-        the state's ``rows``), their layout recorded under the key it starts with; None where
-        they go by callback (eager, no optimizer keeps the state, or they do not fit)."""
-        if self._keeper() is None or not fits or not isinstance(own.arrays[0], jax.core.Tracer):
+        the state's ``rows``), their layout recorded under the key it starts with, where
+        :attr:`.transport.Route.STATE` is the route; None where they go by callback (eager,
+        no known optimizer keeps the state, or they do not fit)."""
+        if self._keeper() is None or not fits or not own.traced:
             self.layout = None
             return None
-        others = outlet.take_trace(own)
+        others = outlet.take_trace()
         flat = [jnp.ravel(a).astype(jnp.float32) for p in others for a in p.arrays]
         size = 1 + sum(int(f.size) for f in flat)
         if size > room:
@@ -191,6 +193,7 @@ class Monitor:
                 outlet.post(parcel)
             self.layout = None
             return None
+        outlet.route([own, *others], fits_state=True)
         self.layout = [_Stored(p.land, [(tuple(a.shape), a.dtype) for a in p.arrays])
                        for p in [own, *others]]
         key = max(self._layouts, default=0) % _KEYS + 1
@@ -201,7 +204,7 @@ class Monitor:
                                 jnp.zeros((room - size,), jnp.float32)])
 
     def _stored(self) -> tuple[Any, Any] | None:
-        """The ``rows`` and ``extra`` arrays in the owner's state now (no transfer), or None
+        """The ``rows`` and ``extra`` arrays in the keeper's state now (no transfer), or None
         where no ``nnx.Optimizer`` holds a :class:`MonitorState`."""
         state = getattr(self._keeper(), "opt_state", None)
         if not isinstance(state, MonitorState):

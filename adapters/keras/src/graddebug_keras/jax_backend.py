@@ -38,14 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graddebug.adapter import StepResult, WatchContext, WatchOptions
+from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
 from graddebug.adapter.protocol import GradientSource, TrainingCallback, TrainStep
-from graddebug.capture.layers import LayerSpec
+from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError, GradDebugError, GradientCountError
-from graddebug_jax.adapter import JaxTaps
 from graddebug_jax.closing import given_rows
 from graddebug_jax.model import floating_leaves
-from graddebug_jax.outputs import probe
+from graddebug_jax.recorder import Recorder
 from graddebug_jax.stats import param_rows
 from graddebug_jax.transport import Parcel
 from graddebug_keras.callbacks import build_callback
@@ -58,8 +57,11 @@ __all__ = ["KerasJaxAdapter"]
 _COMPILED = ("train_function", "test_function", "predict_function")
 
 
-class KerasJaxAdapter(JaxTaps):
-    """Watches a Keras model or layer on the JAX backend, and taps."""
+class KerasJaxAdapter(BaseAdapter):
+    """Watches a Keras model or layer on the JAX backend, and taps.
+
+    What it records travels through a :class:`graddebug_jax.recorder.Recorder`, the public
+    interface of graddebug_jax's identities, rows and transport."""
 
     name = "keras-jax"
     capabilities = frozenset({GradientSource, TrainStep, TrainingCallback})
@@ -67,7 +69,6 @@ class KerasJaxAdapter(JaxTaps):
     # keeps no dense copies (keep=) and sees no single operation (ops=, escalate=); the model's
     # variables are its parameters (params=), and every statistic is measured on every step.
     watch_options = frozenset({"layers", "intervene", "outputs", "param_stats", "optimizer"})
-    _tapper = "Keras on the JAX backend"
 
     def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
                  options: WatchOptions) -> None:
@@ -75,7 +76,8 @@ class KerasJaxAdapter(JaxTaps):
         self._index = KerasLayers(model)
         self._targets = self._add_layers(self._index.named,
                                          self._index.select(options.layers), channels_first)
-        self._open()
+        self._recorder = Recorder(self._name_param, self._fail_open("step"),
+                                  context.internal_error, context.warn_once)
         self._loss: float | None = None  # the loss of the batch trained last, once landed
         self._wrapped: list[Wrapped] = []
         self._optimizers: list[Any] = []
@@ -110,7 +112,7 @@ class KerasJaxAdapter(JaxTaps):
             self._wrapped.pop().restore()
         self._optimizers.clear()
         self._reset_compiled()
-        self._shut()
+        self._recorder.reset()
         self._loss = None
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
@@ -120,12 +122,10 @@ class KerasJaxAdapter(JaxTaps):
         Raises:
             GradientCountError: ``grads`` does not match the trainable variables.
         """
-        if self._settle():
+        if self._recorder.settle():
             self._reset_compiled()  # the next fit traces again, its sinks sending themselves
         if not record:
-            self._rows.pending()
-            self._rows.clear()
-            return StepResult()
+            return self._recorder.skip()
         if grads is not None:
             variables = self._index.model.trainable_variables
             leaves = list(grads)
@@ -136,9 +136,30 @@ class KerasJaxAdapter(JaxTaps):
             rows = given_rows(leaves, self._options.param_stats == "full")
             paths = [str(v.path) for v in variables]
             shapes = [tuple(v.shape) for v in variables]
-            self._rows.hold(Parcel([rows], lambda values: self._rows.add_params(
-                paths, shapes, values[0])))
-        return self._rows.close(step)
+            self._recorder.hold_params(paths, shapes, rows)
+        return self._recorder.close(step)
+
+    def has_pending(self) -> bool:
+        """Whether a backward pass or an update delivered rows since the last close (waits
+        for the callbacks in flight)."""
+        return self._recorder.pending()
+
+    def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
+        """Pass ``tensor`` through the identity that records (and alters) its cotangent.
+
+        Raises:
+            ConfigError: ``tensor`` is not a floating-point JAX array.
+        """
+        Recorder.check_tap(tensor, name, "Keras on the JAX backend")
+        layer = self._tap_layer(name, intervention)
+        if layer.depth < 0:
+            layer.depth = self._take_depth()
+        return self._recorder.watch(tensor, layer)
+
+    @property
+    def transfers(self) -> int:
+        """Device-to-host transfers of statistics so far (callbacks and fetches)."""
+        return self._recorder.transfers
 
     # -- capabilities -------------------------------------------------------------------------
 
@@ -155,7 +176,7 @@ class KerasJaxAdapter(JaxTaps):
         self._optimizers.append(optimizer)
         # Carried, not tied: fit keeps the new values in its own state until the epoch ends,
         # so the close has no output to wait on, only the effects barrier (debug.callback).
-        self._outlet.carried = True
+        self._recorder.carry(tied=False)
         self._wrapped.append(Wrapped(optimizer, "stateless_apply", self._wrap_stateless))
         self._wrapped.append(Wrapped(optimizer, "apply", self._wrap_apply))
 
@@ -210,9 +231,8 @@ class KerasJaxAdapter(JaxTaps):
 
         def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
             def watched(*args: Any, **kwargs: Any) -> Any:
-                flags: list[list[bool]] = []
                 try:
-                    args = tuple(_probed(a, flags) for a in args)
+                    args, flags = self._recorder.probe_args(args)
                 except GradDebugError:
                     raise
                 except Exception as exc:  # fail-open: run the layer untouched
@@ -246,7 +266,7 @@ class KerasJaxAdapter(JaxTaps):
             if self._attached:
                 self._loss = float(np.asarray(values[0]).reshape(()))
 
-        self._outlet.post(Parcel([value], land, rows=False))
+        self._recorder.post(Parcel([value], land, rows=False))
 
     def _batch_loss(self) -> float | None:
         """The loss of the batch trained last (it arrived with the step's transfer), or None;
@@ -255,27 +275,26 @@ class KerasJaxAdapter(JaxTaps):
         return loss
 
     def _wrap_inputs(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        """The model's own ``call``, its floating inputs checked for NaN/Inf first."""
+        """The model's own ``call``, its floating inputs checked for NaN/Inf, the check posted
+        once its output exists."""
         def checked(*args: Any, **kwargs: Any) -> Any:
+            check = None
             with self._fail_open("input"):
-                self._check_inputs(args, kwargs)
-            return call(*args, **kwargs)
+                check = self._recorder.check_inputs(args, kwargs)
+            out = call(*args, **kwargs)
+            if check is not None:
+                with self._fail_open("input"):
+                    return self._recorder.post_with(out, check)
+            return out
 
         return checked
 
     def _watch_output(self, layer: LayerSpec, out: Any, inputs_need_grad: bool) -> Any:
-        watched = dict(floating_leaves(out))
-        if not watched:  # a symbolic call (Keras tensors) or an integer output
-            return out
+        if not any(True for _ in floating_leaves(out)):  # a symbolic call (Keras tensors) or
+            return out  # an integer output
         if layer.depth < 0:
             layer.depth = self._take_depth()
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(out)
-        leaves = []
-        for (label, leaf), (_, original) in zip(_labelled(with_paths), with_paths,
-                                                strict=True):
-            leaves.append(self._chains.watch(leaf, layer, label, inputs_need_grad)
-                          if label in watched else original)
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        return self._recorder.watch_output(layer, out, inputs_need_grad)
 
     def _wrap_stateless(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def stateless_apply(optimizer_variables: Any, grads: Any, trainable_variables: Any
@@ -329,9 +348,9 @@ class KerasJaxAdapter(JaxTaps):
 
         def land(values: Sequence[np.ndarray]) -> None:
             if self._attached:  # read when the step runs, not when it was traced
-                self._rows.add_params(paths, shapes, values[0])
+                self._recorder.add_params(paths, shapes, values[0])
 
-        self._outlet.gather(Parcel([rows], land))
+        self._recorder.gather(Parcel([rows], land))
 
     # -- names ----------------------------------------------------------------------------
 
@@ -373,19 +392,3 @@ def _kept(loss: jax.Array, post: Callable[[Any], None]) -> jax.Array:
 
     ident.defvjp(fwd, bwd)
     return ident(loss)  # type: ignore[no-any-return]
-
-
-def _probed(arg: Any, flags: list[list[bool]]) -> Any:
-    if isinstance(arg, jax.Array) and jnp.issubdtype(arg.dtype, jnp.floating):
-        out, flag = probe(arg)
-        flags.append(flag)
-        return out
-    return arg
-
-
-def _labelled(with_paths: list[tuple[Any, Any]]) -> list[tuple[str, Any]]:
-    """The ``tensor`` label of each output leaf, as :func:`floating_leaves` names them."""
-    from graddebug_jax.model import path_name
-
-    return [("output" if not path else f"output.{path_name(path)}", leaf)
-            for path, leaf in with_paths]
