@@ -18,7 +18,8 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import graddebug  # noqa: E402
-from graddebug_tensorflow.updates import BUDGET, plan_samples  # noqa: E402
+from graddebug import sampling  # noqa: E402
+from graddebug_tensorflow.updates import plan_samples  # noqa: E402
 
 SAMPLED_REL = 0.08
 
@@ -56,9 +57,9 @@ def param_rows(frame, step: int) -> dict[str, tuple[float, float]]:
 
 def whole(key: str, model) -> bool:
     """Whether the plan takes this variable whole (then the norms are exact)."""
-    sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
     keys = ["/".join(v.path.split("/")[-2:]) for v in model.trainable_variables]
-    return {k: s.whole for k, s in zip(keys, plan_samples(sizes), strict=True)}[key]
+    return {k: s.whole for k, s in zip(keys, plan_samples(shapes), strict=True)}[key]
 
 
 def check(frame, want: list[dict[str, tuple[float, float]]], model) -> None:
@@ -159,12 +160,13 @@ def test_without_the_optimizer_the_close_samples_the_weights_and_leaves_the_upda
         assert math.isnan(got[key][1])
 
 
-def test_the_samples_take_at_most_one_percent_and_visit_every_column():
+def test_the_samples_keep_to_the_budget_and_visit_every_column():
     shapes = [(400, 256), (256,), (256, 10), (10,), (3, 3, 64, 128), (128,), (1,)]
     sizes = [int(np.prod(s)) for s in shapes]
-    plan = plan_samples(sizes)
-    assert sum(s.count for s in plan) <= BUDGET * sum(sizes)
+    plan = plan_samples(shapes)
+    assert sum(s.count for s in plan) <= sampling.BUDGET * sum(sizes) + sampling.FLOOR * 7
     assert plan[3].whole and plan[6].whole  # small ones are taken whole
+    assert [s.offset for s in plan] == [sum(s.count for s in plan[:i]) for i in range(7)]
     for shape, sample in zip(shapes, plan, strict=True):
         index = sample.indices()
         assert len(set(index.tolist())) == sample.count  # distinct
@@ -172,9 +174,9 @@ def test_the_samples_take_at_most_one_percent_and_visit_every_column():
         if len(shape) >= 2 and sample.count >= shape[-1] and not sample.whole:
             # a prime stride coprime with the row length reaches every column
             assert len(set((index % shape[-1]).tolist())) == shape[-1]
-    # A model below 100 entries per variable has no budget for some: they are not sampled.
-    tiny = plan_samples([50, 50, 50])
-    assert sum(s.count for s in tiny) <= 1 and any(s.count == 0 for s in tiny)
+    # However small the budget, every variable gets the floor or its whole.
+    tiny = plan_samples([(50,), (50,), (30,)])
+    assert all(s.whole for s in tiny)  # below the floor: whole
 
 
 def test_fit_with_the_view_gives_bitwise_identical_weights():
@@ -229,7 +231,7 @@ def test_sampled_norms_are_the_documented_estimator_on_the_documented_entries():
     opt = keras.optimizers.SGD(0.1)
     x, y = data()
     loss_fn = xent()
-    plan = plan_samples([int(np.prod(v.shape)) for v in model.trainable_variables])
+    plan = plan_samples([tuple(v.shape) for v in model.trainable_variables])
     keys = ["/".join(v.path.split("/")[-2:]) for v in model.trainable_variables]
     assert not plan[0].whole  # the kernel is sampled
     with graddebug.watch(model, optimizer=opt) as dbg:
@@ -250,8 +252,8 @@ def test_sampled_norms_are_the_documented_estimator_on_the_documented_entries():
         assert got[key][1] == pytest.approx(np.linalg.norm(u) * scale, rel=1e-9)
 
 
-def test_a_sample_too_small_to_estimate_is_left_out():
-    # 1% of 1,520 entries is 15: equal shares give every variable 3 or 4 entries, too few for
-    # an estimate (and fewer than the 20-entry one holds): every norm stays NaN.
-    assert [s.count for s in plan_samples([500, 500, 500, 20])] == [0, 0, 0, 0]
-    assert [s.count for s in plan_samples([100_000, 20])] == [980, 20]
+def test_no_variable_is_left_without_a_sample():
+    # 0.5% of 1,520 entries is 7: the floor gives each 500-entry variable up to 256 entries.
+    plan = plan_samples([(500,), (500,), (500,), (20,)])
+    assert all(sampling.FLOOR // 2 < s.count <= sampling.FLOOR for s in plan[:3])
+    assert plan[3].whole

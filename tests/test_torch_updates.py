@@ -31,9 +31,10 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import graddebug  # noqa: E402
+from graddebug import sampling  # noqa: E402
 from graddebug.errors import GradDebugWarning  # noqa: E402
 from graddebug_torch import updates as torch_updates  # noqa: E402
-from graddebug_torch.samples import FEWEST, FRACTION, MOST, Group, sample_sizes  # noqa: E402
+from graddebug_torch.samples import Group  # noqa: E402
 from torch_models import relu_mlp  # noqa: E402
 
 WIDE = 512
@@ -413,13 +414,14 @@ def many_small() -> nn.Sequential:
 @pytest.mark.parametrize(("build", "measured"), [
     (lambda: nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(512, 512), nn.ReLU())]),
      32),
-    (many_small, 119),  # 100 one-entry biases whole, the largest 19 others at FEWEST entries
-    (lambda: nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), 0),  # 1%: 3 entries
+    (many_small, 402),  # every tensor: the 100 one-entry biases whole, the others at the floor
+    (lambda: nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), 4),  # the floor
 ], ids=["16x512", "many-small", "tiny"])
-def test_the_samples_hold_at_most_one_percent_of_the_entries(build: Callable[[], nn.Module],
-                                                              measured: int) -> None:
+def test_the_samples_hold_at_most_twice_the_budget_and_the_floor(build: Callable[[], nn.Module],
+                                                                 measured: int) -> None:
     model = build()
-    total = sum(p.numel() for p in model.parameters())
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with graddebug.watch(model, strict=True) as dbg:
         for _ in range(2):
@@ -428,23 +430,9 @@ def test_the_samples_hold_at_most_one_percent_of_the_entries(build: Callable[[],
             opt.step()
             dbg.step()
         entries = held(dbg, model)
-    assert entries <= FRACTION * total
+    assert entries <= 2 * (sampling.BUDGET * total + sampling.FLOOR * len(params))
     last = rows(dbg).loc[1]
     assert last["weight_norm"].notna().sum() == last["update_norm"].notna().sum() == measured
-
-
-def test_sample_sizes_fill_the_budget_small_tensors_first() -> None:
-    # 16 biases of 512 whole, the weights at the cap.
-    sizes = sample_sizes([512 * 512, 512] * 16)
-    assert sizes == [MOST, 512] * 16
-    # A budget below the cap: the level where it runs out, whole below it.
-    sizes = sample_sizes([100_000, 20_000, 300, 40])
-    assert sum(sizes) <= 0.01 * 120_340 and sizes[2:] == [300, 40]
-    assert sizes[0] == sizes[1] > 300
-    # Too small for FEWEST entries each: the largest get FEWEST while the budget lasts.
-    sizes = sample_sizes([2000] * 10 + [5])
-    assert sizes == [FEWEST] * 6 + [0] * 4 + [5]
-    assert sample_sizes([10]) == [0]
 
 
 # -- the hooks' lifetime and the observer effect -------------------------------------------------

@@ -2,15 +2,12 @@
 and the norm of the update the optimizer applied, estimated from a fixed sample of entries.
 
 Reading every weight before and after each update would double the optimizer's memory traffic;
-a fixed index set per variable costs a gather of at most :data:`BUDGET` of the entries. The
-set is strided: ``(p // 2 + j * p) mod n`` for ``j < k``, with ``p`` the smallest prime of at
-least ``n / k`` that does not divide ``n``. Being prime and coprime with ``n``, ``p`` is coprime
-with every dimension of the variable, so that the samples visit every column of a matrix
-instead of one (a stride equal to the row length would alias them onto a single column), and
-the ``k`` indices are distinct. The budget is shared max-min fairly (water-filling): small
-variables are taken whole, and the rest share what is left equally, so every sampled row's
-estimate has about the same relative error, ``1 / sqrt(2 k)`` for Gaussian-like entries. A
-variable taken whole gives the exact norms. A norm is estimated as ``||sample|| * sqrt(n / k)``.
+a fixed index set per variable costs a strided slice of a small fraction of the entries, the
+plan every adapter shares (:func:`graddebug.sampling.plan`): every ``p``-th entry from the
+first, ``p`` a prime that divides none of the variable's row lengths, so that the samples visit
+the columns of a matrix instead of one (a stride equal to the row length would alias them onto
+a single column). Small variables are taken whole, and give the exact norms. A norm is
+estimated as ``||sample|| * sqrt(n / k)`` for ``k`` entries read.
 
 The ops run around the optimizer's ``apply`` (eagerly, in a ``tf.function`` or in ``fit``'s
 graph): before it, the samples of the step's first apply are kept in a state variable of
@@ -37,25 +34,24 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from graddebug import sampling
 from graddebug_tensorflow.captures import StateBuffers, UpdateCol
 from graddebug_tensorflow.stats import compiled
 
-__all__ = ["BUDGET", "Sample", "UpdateView", "plan_samples", "update_columns"]
-
-BUDGET = 0.01
-"""The fraction of the watched variables' entries that is sampled, at most."""
+__all__ = ["Sample", "UpdateView", "plan_samples", "update_columns"]
 
 _F64 = tf.float64
 
 
 @dataclass(frozen=True)
 class Sample:
-    """The fixed entries sampled from one variable.
+    """The fixed entries sampled from one variable (:class:`graddebug.sampling.Sample`), and
+    where they are kept.
 
     Attributes:
         numel: The variable's number of entries.
-        count: How many are sampled (``numel`` when taken whole, 0 for none).
-        stride: The prime stride between sampled flat indices (1 when taken whole).
+        count: How many are sampled (``numel`` when taken whole).
+        stride: The stride between sampled flat indices (1 when taken whole).
         offset: Where this variable's samples start in the kept-samples variable.
     """
 
@@ -75,60 +71,24 @@ class Sample:
         return math.sqrt(self.numel / self.count) if self.count else math.nan
 
     def indices(self) -> np.ndarray:
-        """The sampled flat indices, distinct, in the order they are gathered."""
-        if self.whole:
-            return np.arange(self.numel, dtype=np.int64)
-        j = np.arange(self.count, dtype=np.int64)
-        return (self.stride // 2 + j * self.stride) % self.numel
+        """The sampled flat indices, in the order they are gathered."""
+        return np.arange(0, self.numel, self.stride, dtype=np.int64)
 
 
-FEWEST = 8
-"""The fewest entries a variable's sample may hold, unless it is taken whole."""
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    return all(n % d for d in range(2, math.isqrt(n) + 1))
-
-
-def _stride(numel: int, count: int) -> int:
-    """The smallest prime of at least ``numel / count`` that does not divide ``numel``."""
-    p = max(2, math.ceil(numel / count))
-    while not _is_prime(p) or numel % p == 0:
-        p += 1
-    return p
-
-
-def plan_samples(sizes: Sequence[int], budget: float = BUDGET) -> list[Sample]:
-    """The samples of variables of ``sizes`` entries, at most ``budget`` of them in all.
+def plan_samples(shapes: Sequence[Sequence[int]]) -> list[Sample]:
+    """The samples of variables of ``shapes``, as :func:`graddebug.sampling.plan` reads them,
+    each with its offset in the kept-samples variable.
 
     Args:
-        sizes: Each variable's number of entries.
-        budget: The fraction of all entries that may be sampled.
+        shapes: Each variable's shape.
 
     Returns:
-        One :class:`Sample` per variable, in the order of ``sizes``; a variable gets none
-        (``count == 0``) where its share of the budget is below :data:`FEWEST` entries and
-        below its size.
+        One :class:`Sample` per variable, in the order of ``shapes``.
     """
-    left = math.floor(sum(sizes) * budget)
-    counts = [0] * len(sizes)
-    # Water-filling: the smallest first, each taking at most an equal share of what is left.
-    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
-    for rank, i in enumerate(order):
-        share = left // (len(order) - rank)
-        counts[i] = min(sizes[i], share)
-        left -= counts[i]
-    # An estimate from a handful of entries is noise (a sampled entry of a dead unit's row
-    # reads an update of 0): a variable that cannot have FEWEST, and is not taken whole, gets
-    # none and NaN norms. 8 keeps the kernels of the small Keras references sampled.
-    counts = [0 if 0 < c < min(FEWEST, n) else c for c, n in zip(counts, sizes, strict=True)]
     samples, offset = [], 0
-    for numel, count in zip(sizes, counts, strict=True):
-        stride = 1 if count in (0, numel) else _stride(numel, count)
-        samples.append(Sample(numel, count, stride, offset))
-        offset += count
+    for planned in sampling.plan(shapes):
+        samples.append(Sample(planned.numel, planned.count, planned.stride, offset))
+        offset += planned.count
     return samples
 
 
@@ -160,8 +120,7 @@ class UpdateView:
         state, outside any graph; again only when their count changes."""
         if self._buffers.replicas > 1 or len(self.samples) == len(variables):
             return
-        sizes = [int(np.prod(tuple(v.shape), dtype=np.int64)) for v in variables]
-        self.samples = plan_samples(sizes)
+        self.samples = plan_samples([tuple(int(d) for d in v.shape) for v in variables])
         total = sum(s.count for s in self.samples)
         self._buffers.ensure_updates(len(variables))
         if total:
@@ -174,10 +133,9 @@ class UpdateView:
         flat = tf.reshape(tf.convert_to_tensor(var), [-1])
         sample = self.samples[row]
         if not sample.whole:
-            # The indices of Sample.indices(), made in the graph: a constant of them would
+            # The indices of Sample.indices() as a strided slice: a constant of them would
             # weigh 8 bytes per sampled entry in every graph that samples.
-            j = tf.range(sample.count, dtype=tf.int64)
-            flat = tf.gather(flat, (sample.stride // 2 + j * sample.stride) % sample.numel)
+            flat = flat[:: sample.stride]
         return tf.cast(flat, _F64)
 
     def _sampled(self, pairs: Sequence[tuple[int, Any]]) -> list[tuple[int, Any]]:

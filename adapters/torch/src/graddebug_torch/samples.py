@@ -2,18 +2,18 @@
 (:mod:`graddebug_torch.updates`), and the buffers they share.
 
 No copy of the weights is kept. Each parameter is seen through a fixed sample of its entries,
-a strided view ``flat[::stride]`` whose stride is a prime near ``numel / k`` that divides none
+a strided view ``flat[::stride]`` of the plan every adapter shares
+(:func:`graddebug.sampling.plan`): the stride is a prime near ``numel / k`` that divides none
 of the tensor's row lengths, so that the sample walks across the columns of a matrix rather
 than down one of them; both norms are the sample's times ``sqrt(numel / k)``, exact for a
-tensor small enough to be taken whole (:func:`sample_sizes` says how many entries each tensor
-gets). The samples of one device, dtype and length share one buffer of two slots, a row each:
-the buffers are the only memory held, at most :data:`FRACTION` of the parameters' entries,
-small tensors included.
+tensor small enough to be taken whole. The samples of one device, dtype and length share one
+buffer of two slots, a row each: the buffers are the only memory held, twice the plan's
+:data:`~graddebug.sampling.BUDGET` of the parameters' entries plus twice its
+:data:`~graddebug.sampling.FLOOR` per parameter.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,24 +21,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from graddebug.sampling import sample_stride
+from graddebug import sampling
 from graddebug_torch.params import TorchParam
 
-__all__ = ["FEWEST", "FRACTION", "MOST", "Group", "Layout", "Sample", "sample_sizes"]
-
-FRACTION = 0.01
-"""The most entries the buffers hold, both slots, as a fraction of the sampled parameters'
-entries."""
-
-MOST = 1024
-"""The most entries sampled from one tensor, which bounds the pages a copy touches in a large
-one. On a 512-wide MLP whose budget gives its 512 x 512 weights 598 entries each, the
-estimates of their updates were off by 3.1% root mean square over 576 steps of SGD, momentum,
-Adam and AdamW (11% at worst), and of their weights by 2.9%."""
-
-FEWEST = 32
-"""The fewest entries a sampled tensor gets: fewer would be too few to estimate a norm from,
-and a sample of a few entries that all happen to be zero would show a moving tensor as still."""
+__all__ = ["Group", "Layout", "Sample"]
 
 
 class Held(Protocol):
@@ -48,72 +34,28 @@ class Held(Protocol):
         """Let go of the copies from before the step."""
 
 
-def sample_sizes(numels: Sequence[int], fraction: float = FRACTION, most: int = MOST,
-                 fewest: int = FEWEST) -> list[int]:
-    """How many entries of each tensor to sample (0: none), within a total budget.
-
-    The budget, ``fraction`` of all entries, is shared as water fills a basin: each tensor gets
-    ``min(numel, level)`` for the highest level (at most ``most``) the budget reaches, so that
-    small tensors are taken whole. Where the level stays below ``fewest`` (a model of many
-    small tensors), the tensors under it are taken whole and the largest others get ``fewest``
-    entries each while the budget lasts; the rest get none.
-
-    Args:
-        numels: Each tensor's number of entries.
-        fraction: The budget, as a fraction of ``sum(numels)``.
-        most: The most entries of one tensor.
-        fewest: The fewest entries of a tensor that is sampled and not whole.
-
-    Returns:
-        The sizes, in the order of ``numels``; their sum is at most the budget.
-    """
-    budget = int(sum(numels) * fraction)
-    level = _level(sorted(numels), budget, most)
-    if level >= fewest or all(n <= level for n in numels):
-        return [min(n, level) for n in numels]
-    sizes = [n if n <= level else 0 for n in numels]
-    left = budget - sum(sizes)
-    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        take = min(numels[i], fewest)
-        if sizes[i] or take > left:
-            continue
-        sizes[i] = take
-        left -= take
-    return sizes
-
-
-def _level(ascending: Sequence[int], budget: int, most: int) -> int:
-    """The highest ``c <= most`` with ``sum(min(n, c)) <= budget`` over ``ascending``."""
-    whole = 0  # the entries of the tensors below the level, taken whole
-    for j, n in enumerate(ascending):
-        level = (budget - whole) // (len(ascending) - j)
-        if level < n:
-            return min(level, most)
-        whole += n
-    return most
-
-
 def _flat(param: Tensor) -> tuple[Tensor, list[int]] | None:
-    """A parameter's entries as one flat view in memory order, and its row lengths (the
-    products of its innermost sizes); None when no view holds exactly its entries."""
+    """A parameter's entries as one flat view in memory order, and its shape in memory order
+    (outermost axis first, axes of size 1 left out); None when no view holds exactly its
+    entries."""
     data = param.detach()
     if (type(data) is not Tensor or data.layout != torch.strided or data.is_meta
             or not data.is_floating_point() or data.numel() == 0):
         return None
     order = sorted(range(data.dim()), key=data.stride)
-    rows, length = [], 1
+    inner, length = [], 1
     for d in order:  # innermost first: dense exactly when each stride spans the dims inside
         size = data.size(d)
         if size == 1:
             continue
         if data.stride(d) != length:
             return None
-        if length > 1:
-            rows.append(length)
+        inner.append(size)
         length *= size
+    shape = inner[::-1]
     if data.is_contiguous():
-        return data.view(-1), rows
-    return data.as_strided((data.numel(),), (1,), data.storage_offset()), rows
+        return data.view(-1), shape
+    return data.as_strided((data.numel(),), (1,), data.storage_offset()), shape
 
 
 _Stamp = tuple[int, int]
@@ -244,22 +186,20 @@ class Layout:
 
     def __init__(self, params: Sequence[TorchParam]) -> None:
         found = [(i, flat) for i, p in enumerate(params) if (flat := _flat(p.param)) is not None]
-        # Two slots of each sample are held: the budget goes to them both.
-        sizes = sample_sizes([entries.numel() for _, (entries, _) in found], FRACTION / 2)
+        planned = sampling.plan([shape for _, (_, shape) in found])
         self.samples: list[tuple[Sample, Group] | None] = [None] * len(params)
         members: dict[tuple[torch.device, torch.dtype, int], list[tuple[int, Tensor, int]]] = {}
-        for (i, (entries, rows)), k in zip(found, sizes, strict=True):
-            if k:
-                stride = sample_stride(entries.numel(), k, rows)
-                view = entries[::stride]
-                members.setdefault((view.device, view.dtype, view.numel()), []).append(
-                    (i, view, stride))
+        for (i, (entries, _)), plan in zip(found, planned, strict=True):
+            view = entries[::plan.stride]
+            members.setdefault((view.device, view.dtype, view.numel()), []).append(
+                (i, view, plan.stride))
         self.groups: list[Group] = []
         for (device, dtype, k), taken in members.items():
             group = Group(torch.empty((2, len(taken), k), dtype=dtype, device=device))
             for position, (i, view, stride) in enumerate(taken):
                 param = params[i].param
-                sample = Sample(i, param, stride, math.sqrt(param.numel() / k), position)
+                scale = sampling.Sample(param.numel(), stride).scale
+                sample = Sample(i, param, stride, scale, position)
                 self.samples[i] = (sample, group)
                 group.samples.append(sample)
                 group.views.append(view)

@@ -39,10 +39,8 @@ The view of a parameter whose ``.data`` was replaced keeps the old storage until
 (a close or a step of an optimizer that holds it). Parameters that cannot be sampled by a view
 have NaN in both columns: sharded ones (``DTensor``, FSDP2: each rank holds a slice) and other
 tensor subclasses, sparse ones, those that are not dense in memory (a slice of a larger tensor;
-a permuted dense tensor, ``channels_last`` say, is sampled in memory order), non-float ones,
-and those left out where the budget cannot give every tensor
-:data:`~graddebug_torch.samples.FEWEST` entries (a model of a few thousand entries gets
-none). Optimizer steps run inside ``torch.compile`` are not measured.
+a permuted dense tensor, ``channels_last`` say, is sampled in memory order) and non-float
+ones. Optimizer steps run inside ``torch.compile`` are not measured.
 """
 
 from __future__ import annotations
