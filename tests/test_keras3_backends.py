@@ -228,6 +228,25 @@ out["bad_batch"] = bad.loc[bad["issue"] == "nonfinite", ["step", "cause"]].value
 inputs = dbg.events()
 out["bad_batch_inputs"] = inputs.loc[inputs["event"] == "input_nonfinite",
                                      ["step", "detail"]].values.tolist()
+# the optimizer's clip, on every backend: clipped_norm is the gradient the update applied,
+# read back from the weights (plain SGD: the update is -lr times the clipped gradient)
+out["clip"] = {}
+for clip, limit in (("clipnorm", 0.05), ("global_clipnorm", 0.1)):
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.5, **{clip: limit}), loss="mse")
+    names = [f"{v.path.split('/')[-2]}.{v.path.split('/')[-1]}" for v in model.trainable_variables]
+    before = [v.numpy().astype(float) for v in model.trainable_variables]
+    with graddebug.watch(model) as dbg:
+        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, shuffle=False,
+                  callbacks=[dbg.callback()])
+    after = [v.numpy().astype(float) for v in model.trainable_variables]
+    rows = dbg.frame()
+    rows = rows[rows["kind"] == "parameter"]
+    out["clip"][clip] = {
+        "rows": {f"{r.layer}.{r.tensor}": [float(r.norm), float(r.clipped_norm)]
+                 for r in rows.itertuples()},
+        "applied": {n: float(np.linalg.norm(a - b)) / 0.5
+                    for n, a, b in zip(names, after, before)}}
 if backend == "jax":  # keep= has no dense copies on this backend: watch() refuses it
     try:
         graddebug.watch(mlp(), keep={"d1"})
@@ -417,6 +436,25 @@ def test_a_batch_holding_an_inf_is_blamed_on_the_data_at_its_step(backend):
     got = child(backend)
     assert got["bad_batch_inputs"] == [[2, "Inf"]]
     assert got["bad_batch"][0] == [2, "data"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm"])
+def test_the_callback_passes_the_optimizers_clip_on_every_backend(backend, clip):
+    got = child(backend)
+    run, reference = got["clip"][clip], got["reference"]
+    assert set(run["rows"]) == set(PARAMS)
+    total = np.sqrt(sum(reference[name] ** 2 for name in PARAMS))
+    limit = {"clipnorm": 0.05, "global_clipnorm": 0.1}[clip]
+    for name, (norm, clipped) in run["rows"].items():
+        # norm: the gradient before the clip, as the backend's own autodiff gives it
+        assert norm == pytest.approx(reference[name], rel=1e-5), name
+        # clipped_norm: what the optimizer applied, read back from the weights it moved
+        assert clipped == pytest.approx(run["applied"][name], rel=1e-3), name
+        assert clipped < norm, name  # the clip acted on every tensor
+        expected = min(norm, limit) if clip == "clipnorm" else norm * limit / total
+        assert clipped == pytest.approx(expected, rel=1e-5), name
 
 
 @pytest.mark.slow

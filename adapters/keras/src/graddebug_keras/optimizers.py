@@ -1,5 +1,6 @@
-"""Keras optimizers: the check that an object is one, and the instance-level wrap of one of its
-methods, undone on exit."""
+"""Keras optimizers, on every backend: the check that an object is one, how it clips the
+gradients it applies, and the instance-level wrap of one of its methods (or of a layer's or a
+model's), undone on exit."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 import keras
 
 from graddebug.errors import ConfigError
+from graddebug.integrations.clipping import HostClip
 
-__all__ = ["Wrapped", "check_keras_optimizer"]
+__all__ = ["Wrapped", "check_keras_optimizer", "keras_clip"]
 
 
 def check_keras_optimizer(optimizer: Any) -> None:
@@ -24,6 +26,26 @@ def check_keras_optimizer(optimizer: Any) -> None:
             f"optimizer={optimizer!r} is a {type(optimizer).__name__}, not a Keras optimizer; "
             "pass the keras.optimizers.Optimizer that applies the model's gradients (the "
             "model's own, model.optimizer, once compiled).")
+
+
+def keras_clip(optimizer: Any) -> HostClip | None:
+    """How a Keras optimizer clips the gradients it applies (a ``LossScaleOptimizer``'s inner
+    optimizer clips), or None where it does not clip by norm (``clipvalue``, or no clip).
+
+    ``clipnorm`` and ``global_clipnorm`` act inside ``optimizer.apply``, after graddebug
+    measured the gradients on every backend: the callback hands the rule on to
+    :class:`graddebug.integrations.session.CallbackSession`, which fills ``clipped_norm``.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        optimizer = inner
+    clipnorm = getattr(optimizer, "clipnorm", None)
+    if clipnorm and clipnorm > 0:
+        return HostClip(float(clipnorm), "each")
+    global_clipnorm = getattr(optimizer, "global_clipnorm", None)
+    if global_clipnorm and global_clipnorm > 0:
+        return HostClip(float(global_clipnorm), "total")
+    return None
 
 
 class Wrapped:

@@ -6,7 +6,7 @@ fills. So :class:`graddebug_torch.adapter.TorchAdapter` does the capture, unchan
 hook per watched layer attaches the tensor hooks to its outputs, a post-accumulate-grad hook per
 variable sees its gradient, and the close reads ``p.grad`` in one transfer. What differs is
 where the layers are: Keras keeps its sub-layers in its own tracker, not as torch child
-modules, so they are found through Keras (:mod:`graddebug_keras.layers`) and named as on the
+modules, so they are found through Keras (:mod:`graddebug_keras.model`) and named as on the
 TensorFlow backend: the Keras layer name, and the variable's short name (``kernel``, ``bias``).
 
 Keras's optimizer is not a torch optimizer: the step boundary is the callback's
@@ -20,7 +20,7 @@ parameter rows carry ``weight_norm`` and ``update_norm``; the callback also wrap
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,41 +28,56 @@ import torch
 from graddebug.adapter import WatchContext, WatchOptions
 from graddebug.adapter.protocol import Distributed, StepClock, TrainingCallback, TrainStep
 from graddebug.errors import ConfigError
-from graddebug_keras.callback import build_callback
-from graddebug_keras.layers import KerasLayers, channels_first
+from graddebug_keras.callbacks import build_callback
+from graddebug_keras.model import LayerIndex, channels_first
 from graddebug_keras.optimizers import Wrapped, check_keras_optimizer
 from graddebug_torch.adapter import TorchAdapter
-from graddebug_torch.params import TorchParam, given_params, number_groups
+from graddebug_torch.params import TorchParam
 
-__all__ = ["KerasTorchAdapter"]
+__all__ = ["KerasTorchAdapter", "KerasTorchIndex"]
 
 
-class KerasTorchAdapter(TorchAdapter):
-    """Watches a Keras model or layer on the torch backend."""
+class KerasTorchIndex:
+    """A Keras model's layers and variables as the torch adapter reads a model
+    (:class:`graddebug_torch.model.ModelIndex`): Keras's names, leaf layers watched by
+    default, each variable's torch tensor under its layer and short name.
 
-    name = "keras-torch"
-    capabilities = frozenset({StepClock, Distributed, TrainStep, TrainingCallback})
-    watch_options = frozenset({"params", "layers", "keep", "intervene", "outputs", "param_stats",
-                               "optimizer", "scaler", "ops", "escalate", "full_stats_every"})
+    Args:
+        model: A Keras layer or model on the torch backend.
+    """
 
-    def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
-                 options: WatchOptions) -> None:
-        self._index = KerasLayers(model)
-        self._wrapped: list[Wrapped] = []
-        # Per wrapped optimizer (by id): what to call after each of its applies.
-        self._applies: dict[int, list[Callable[[], None]]] = {}
-        self._loss: Any = None  # the tensor compute_loss returned last in training
-        super().__init__(context, model, params, options)
+    def __init__(self, model: Any) -> None:
+        self.keras = LayerIndex(model)
 
-    # -- what is watched, by Keras's names --------------------------------------------------
+    @property
+    def layers(self) -> dict[str, Any]:
+        """Every layer below the model by Keras name."""
+        return self.keras.named
 
-    def _resolve(self, params: Mapping[str, Any] | None) -> None:
-        """The watched layers (leaf layers by default) and their variables' parameters."""
-        options, index = self._options, self._index
-        self._modules = self._add_layers(index.named, index.select(options.layers),
-                                         channels_first)
-        chosen = None if options.layers is None else set(self._modules)
-        found: list[TorchParam] = []
+    def select(self, layers: Sequence[Any] | None) -> dict[str, Any]:
+        """The layers ``layers=`` names (see :meth:`graddebug_keras.model.LayerIndex.select`).
+
+        Raises:
+            UnknownNameError: A name, glob or type matches no layer.
+        """
+        return self.keras.select(layers)
+
+    def layer_names(self) -> list[str]:
+        """Every layer name, and the model's own."""
+        return self.keras.layer_names()
+
+    def name(self, qualified: str) -> str:
+        """Keras names are layer names already; the model's own is its Keras name."""
+        return qualified or self.keras.root
+
+    def params(self, chosen: Collection[str] | None,
+               keep: Collection[str]) -> list[TorchParam]:
+        """The trainable variables' torch tensors, of the chosen layers and those inside them.
+
+        Raises:
+            ConfigError: A variable holds no torch tensor (a model of another backend).
+        """
+        index, found = self.keras, []
         for layer, short, var in index.variables():
             chain = index.chain(layer)
             if chosen is not None and not any(name in chosen for name in chain):
@@ -73,20 +88,42 @@ class KerasTorchAdapter(TorchAdapter):
                     f"the variable {var.path!r} of {index.root!r} holds a "
                     f"{type(value).__name__}, not a torch tensor: is the model built on "
                     "another Keras backend?")
-            found.append(TorchParam(layer, short, value, chain, keep=layer in options.keep))
-        self._params = found
-        if params:
-            self._params += given_params(params, options.keep)
-            self._add_param_keys(params)
-        number_groups(self._params)
+            found.append(TorchParam(layer, short, value, chain, keep=layer in keep))
+        return found
 
-    def _name(self, qualified: str) -> str:
-        """Keras names are layer names already; the model's own is its Keras name."""
-        return qualified or self._index.root
+    def channels_first(self, layer: Any) -> bool:
+        """Whether the layer's ``data_format`` is ``channels_first``."""
+        return channels_first(layer)
 
-    def _model_layer_names(self) -> list[str]:
-        """Every layer name of the model, watched or not (for suggestions)."""
-        return [*self._index.named, self._index.root]
+    def keeps_finite(self, layer: Any) -> bool:
+        """No Keras layer is assumed to keep finite inputs finite: each output is checked."""
+        return False
+
+    def weighted(self, layer: Any) -> bool:
+        """No Keras layer is taken as fixed by its input and parameters."""
+        return False
+
+
+class KerasTorchAdapter(TorchAdapter):
+    """Watches a Keras model or layer on the torch backend: the torch adapter, reading the
+    model through :class:`KerasTorchIndex`, with Keras's optimizer and callback."""
+
+    name = "keras-torch"
+    capabilities = frozenset({StepClock, Distributed, TrainStep, TrainingCallback})
+    # Not scaler=: Keras's fit never calls a torch GradScaler (its loss scaling is a
+    # LossScaleOptimizer), so dividing by that scaler's scale would make every row wrong.
+    watch_options = frozenset({"params", "layers", "keep", "intervene", "outputs", "param_stats",
+                               "optimizer", "ops", "escalate", "full_stats_every"})
+
+    def __init__(self, context: WatchContext, model: Any, params: Mapping[str, Any] | None,
+                 options: WatchOptions) -> None:
+        keras_index = KerasTorchIndex(model)
+        super().__init__(context, model, params, options, index=keras_index)
+        self._keras = keras_index.keras
+        self._wrapped: list[Wrapped] = []
+        # Per wrapped optimizer (by id): what to call after each of its applies.
+        self._applies: dict[int, list[Callable[[], None]]] = {}
+        self._loss: Any = None  # the tensor compute_loss returned last in training
 
     # -- the step boundary ------------------------------------------------------------------
 
@@ -110,8 +147,8 @@ class KerasTorchAdapter(TorchAdapter):
             return self._applies[key]
         after: list[Callable[[], None]] = []
         self._applies[key] = after
-        updates = self._updates
-        groups = _ParamGroups(self._index.model)
+        updates = self.updates
+        groups = _ParamGroups(self._keras.model)
 
         def apply(original: Callable[..., Any]) -> Callable[..., Any]:
             def applied(*args: Any, **kwargs: Any) -> Any:
@@ -170,7 +207,7 @@ class KerasTorchAdapter(TorchAdapter):
             check_keras_optimizer(optimizer)
         super().train_step(inputs, loss_args, loss_fn, None)
         if optimizer is not None:
-            variables = self._index.model.trainable_variables
+            variables = self._keras.model.trainable_variables
             with torch.no_grad():
                 optimizer.apply([v.value.grad for v in variables], variables)
         return None
@@ -180,7 +217,7 @@ class KerasTorchAdapter(TorchAdapter):
 
         Args:
             **options: ``stop_on=``, ``log=`` and ``every_tensor=`` of
-                :class:`graddebug_keras.callback.KerasCallback`.
+                :class:`graddebug_keras.callbacks.GradDebugCallback`.
 
         Raises:
             ConfigError: An option that is not the callback's.
@@ -200,3 +237,4 @@ class _ParamGroups:
     def param_groups(self) -> list[dict[str, list[torch.Tensor]]]:
         """One group of every trainable variable's tensor, read anew (layers may be added)."""
         return [{"params": [v.value for v in self._model.trainable_variables]}]
+

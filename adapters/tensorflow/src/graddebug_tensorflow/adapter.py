@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import keras
@@ -39,6 +38,9 @@ from graddebug.adapter.protocol import (
 )
 from graddebug.capture.layers import Intervention
 from graddebug.errors import ConfigError
+from graddebug_keras.callbacks import build_callback
+from graddebug_keras.model import reset_compiled
+from graddebug_keras.optimizers import Wrapped
 from graddebug_tensorflow.captures import StateBuffers, StepGates
 from graddebug_tensorflow.closing import StepCloser
 from graddebug_tensorflow.distributed import all_reduced, replica_index, strategy_of
@@ -51,26 +53,6 @@ from graddebug_tensorflow.updates import UpdateView
 from graddebug_tensorflow.watching import OutputWatch
 
 __all__ = ["TensorFlowAdapter"]
-
-_COMPILED = ("train_function", "test_function", "predict_function")
-
-
-@dataclass
-class _Patch:
-    """One attribute replaced on an object, and how to give it back."""
-
-    obj: Any
-    attr: str
-    had: bool
-    old: Any
-
-    def undo(self) -> None:
-        """Restore the attribute, or remove it where the object had none of its own."""
-        if self.had:
-            object.__setattr__(self.obj, self.attr, self.old)
-        elif self.attr in vars(self.obj):
-            object.__delattr__(self.obj, self.attr)
-
 
 class TensorFlowAdapter(BaseAdapter):
     """Watches a Keras model or layer, named variables (``params=``), and taps."""
@@ -97,7 +79,7 @@ class TensorFlowAdapter(BaseAdapter):
         self._gates = StepGates()
         self._index = LayerIndex(model) if model is not None else None
         self._targets: dict[str, Any] = {}  # layer name -> keras layer
-        self._patches: list[_Patch] = []
+        self._patches: list[Wrapped] = []
         if self._index is not None:
             self._targets = self._add_layers(
                 self._index.named, self._index.select(options.layers),
@@ -155,31 +137,23 @@ class TensorFlowAdapter(BaseAdapter):
         if self._options.scaler is not None:
             self.take_gradients(self._options.scaler)
         if self._model is not None:
-            self._reset_compiled()
+            reset_compiled(self._model)
 
     def detach(self) -> None:
         """Restore every ``call`` and optimizer method, and drop the functions Keras compiled
         while they were wrapped."""
         for patch in reversed(self._patches):
-            patch.undo()
+            patch.restore()
         self._patches.clear()
         if self._outputs.ops is not None:
             self._outputs.ops.remove()
         if self._model is not None:
-            self._reset_compiled()
+            reset_compiled(self._model)
         self._outputs.end_step()
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
         """Set ``obj.attr`` to ``value`` on the instance, to be undone on detach."""
-        had = attr in vars(obj)
-        self._patches.append(_Patch(obj, attr, had, vars(obj).get(attr)))
-        object.__setattr__(obj, attr, value)
-
-    def _reset_compiled(self) -> None:
-        """Drop the functions Keras compiled, so that the next call traces again."""
-        for attr in _COMPILED:
-            if getattr(self._model, attr, None) is not None:
-                setattr(self._model, attr, None)
+        self._patches.append(Wrapped(obj, attr, lambda _original: value))
 
     def _op_capture(self) -> OpCapture | None:
         """Op-level capture, or None where it cannot run (several replicas: one warning)."""
@@ -335,11 +309,21 @@ class TensorFlowAdapter(BaseAdapter):
                             backend=type(strategy).__name__, processes=1)
 
     def callback(self, **options: Any) -> Any:
-        """A Keras callback for ``model.fit`` that closes a step after each batch."""
-        from graddebug_tensorflow.callbacks import GradDebugCallback
+        """A Keras callback for ``model.fit`` that closes a step after each batch
+        (:class:`graddebug_keras.callbacks.GradDebugCallback`, that of every Keras backend);
+        when training begins it takes the parameter gradients from the model's optimizer
+        and the loss from its ``compute_loss``.
 
-        return GradDebugCallback(self._ctx.watcher, self.take_gradients, **options,
-                                 take_loss=self.take_loss, step_loss=self.step_loss)
+        Raises:
+            ConfigError: An option that is not the callback's.
+        """
+        def prepare(model: Any) -> None:
+            optimizer = getattr(model, "optimizer", None)
+            if optimizer is not None:
+                self.take_gradients(optimizer)
+            self.take_loss(model)
+
+        return build_callback(self._ctx, prepare, options, loss=self.step_loss)
 
     def tap(self, tensor: Any, name: str, intervention: Intervention | None) -> Any:
         """Pass ``tensor`` through the identity that records (and alters) its gradient."""

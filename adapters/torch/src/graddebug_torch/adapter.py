@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from graddebug.adapter import BaseAdapter, Distribution, StepResult, WatchContext, WatchOptions
 from graddebug.adapter.protocol import Distributed, StepClock, TrainingCallback, TrainStep
-from graddebug.capture.layers import Intervention, LayerSpec, select_layers
+from graddebug.capture.layers import Intervention, LayerSpec
 from graddebug.errors import ConfigError
 from graddebug.records import Event, EventKind
 from graddebug_torch.clipping import UserClips
@@ -28,14 +28,13 @@ from graddebug_torch.closing import gather
 from graddebug_torch.compiled import NO_FORWARD_WARNING, run_eagerly, tracing
 from graddebug_torch.distributed import ShardedMarks, distribution, reduce_sharded
 from graddebug_torch.guards import ModuleOwners, check_mask_device, in_functorch_transform
+from graddebug_torch.model import ModelIndex, ModuleIndex
 from graddebug_torch.ops import OpCapture
-from graddebug_torch.outputs import CHANNELS_FIRST, KEEPS_FINITE, WEIGHTED, watched_by_default
 from graddebug_torch.params import (
     ParamRow,
     TorchParam,
     check_optimizer,
     given_params,
-    model_params,
     number_groups,
     param_rows,
     release_rows,
@@ -45,7 +44,7 @@ from graddebug_torch.scaling import LossScaling
 from graddebug_torch.updates import UpdateWatch
 from graddebug_torch.valueflow import needs_value_flow, never_cuts
 from graddebug_torch.watching import OutputWatch
-from graddebug_torch.wrappers import class_name, clean_name, compiled, unwrap
+from graddebug_torch.wrappers import class_name, compiled, unwrap
 
 __all__ = ["TorchAdapter"]
 
@@ -56,6 +55,23 @@ class TorchAdapter(BaseAdapter):
     Activation gradients come from tensor hooks that forward hooks attach to each watched
     module's outputs; parameter gradients are read from ``p.grad`` when the step closes. All
     statistics stay on the device until ``close_step`` moves them to the host in one transfer.
+
+    The model is read through its index (:class:`graddebug_torch.model.ModelIndex`): its
+    layers by name, the ``layers=`` selection, the parameters they own. The default indexes a
+    ``torch.nn.Module``; a model that names its layers otherwise (Keras on the torch backend)
+    passes its own, and the hooks, the close and the optimizer's view stay this class's.
+
+    Args:
+        context: The Watcher.
+        model: A ``torch.nn.Module`` (wrapped or compiled), or None for ``params=`` and taps.
+        params: Named tensors recorded as parameters, or None.
+        options: The validated ``watch`` options.
+        index: The model's index; None indexes ``model`` as a ``torch.nn.Module``.
+
+    Raises:
+        ConfigError: ``model`` is not a ``torch.nn.Module``, or a parameter or ``params=``
+            value cannot be watched.
+        UnknownNameError: A ``layers=`` entry matches no layer.
     """
 
     name = "torch"
@@ -70,6 +86,8 @@ class TorchAdapter(BaseAdapter):
         model: Any,
         params: Mapping[str, Any] | None,
         options: WatchOptions,
+        *,
+        index: ModelIndex | None = None,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(
@@ -79,8 +97,7 @@ class TorchAdapter(BaseAdapter):
         super().__init__(context, options)
         self._model: nn.Module | None = model  # what the user calls (a wrapper, maybe)
         self._root: nn.Module | None = unwrap(model) if model is not None else None
-        self._modules: dict[str, nn.Module] = {}
-        self._params: list[TorchParam] = []
+        self._index: ModelIndex = index if index is not None else ModuleIndex(self._root)
         self._handles: list[RemovableHandle] = []
         self._watch = OutputWatch(context, self._layers, self._take_depth, self._fail_open)
         self._owners = ModuleOwners()
@@ -91,9 +108,20 @@ class TorchAdapter(BaseAdapter):
         self._parks = False
         # Forward hooks that find nothing once their layer's depth is known (see _drop_idle).
         self._idle: list[tuple[LayerSpec, RemovableHandle]] = []
-        self._resolve(params)
+        # The watched modules and parameters (names are checked here, on entry).
+        index = self._index
+        self._modules: dict[str, nn.Module] = self._add_layers(
+            index.layers, index.select(options.layers), index.channels_first,
+            index.keeps_finite, index.weighted)
+        chosen = None if options.layers is None else set(self._modules)
+        self._params: list[TorchParam] = index.params(chosen, options.keep)
+        if params:
+            self._params += given_params(params, options.keep)
+            self._add_param_keys(params)
+        number_groups(self._params)
         self._ops = OpCapture(self._watch, options, model=self._model, root=self._root,
-                              watched=self._modules, name=self._name, matched=self._matched)
+                              watched=self._modules, name=self._index.name,
+                              matched=self._matched)
         self._sharded = ShardedMarks([p.param for p in self._params if p.sharded])
         self._updates = UpdateWatch(context, self._params, options.every,
                                     self._fail_open("optimizer step"))
@@ -101,43 +129,21 @@ class TorchAdapter(BaseAdapter):
 
     # -- set-up ----------------------------------------------------------------------------
 
-    def _resolve(self, params: Mapping[str, Any] | None) -> None:
-        """Find the watched modules and parameters (names are checked here, on entry)."""
-        options = self._options
-        if self._root is not None:
-            named = {self._name(n): m for n, m in self._root.named_modules()}
-            self._modules = self._add_layers(
-                named, self._select(named, options.layers),
-                lambda m: isinstance(m, CHANNELS_FIRST), lambda m: type(m) in KEEPS_FINITE,
-                lambda m: type(m) in WEIGHTED)
-            chosen = None if options.layers is None else set(self._modules)
-            self._params = model_params(self._root, self._name, chosen, options.keep)
-        if params:
-            self._params += given_params(params, options.keep)
-            self._add_param_keys(params)
-        number_groups(self._params)
-
-    def _name(self, qualified: str) -> str:
-        """The layer name of a qualified module name: wrappers' parts removed, the root
-        named by its class."""
-        name = clean_name(qualified)
-        if name or self._root is None:
-            return name
-        return class_name(self._root)
-
-    def _select(self, named: dict[str, nn.Module], layers: Sequence[Any] | None
-                ) -> dict[str, nn.Module]:
-        """The modules ``layers=`` selects (by default, :func:`watched_by_default`)."""
-        if layers is None:
-            return {n: m for n, m in named.items() if watched_by_default(m)}
-        owner = class_name(self._root) if self._root is not None else ""
-        return select_layers(named, layers, noun="module", owner=owner)
-
     def _model_layer_names(self) -> list[str]:
-        """Every module's layer name, watched or not (for suggestions)."""
-        if self._root is None:
-            return []
-        return [self._name(n) for n, _ in self._root.named_modules()]
+        """Every layer name of the model, watched or not (for suggestions)."""
+        return list(self._index.layer_names())
+
+    @property
+    def updates(self) -> UpdateWatch:
+        """The optimizer's view of the watched weights (``weight_norm``, ``update_norm``).
+
+        It follows every torch optimizer's steps by itself. An optimizer that is not a torch
+        optimizer (Keras's, on the torch backend) calls its
+        :meth:`~graddebug_torch.updates.UpdateWatch.before_step` and
+        :meth:`~graddebug_torch.updates.UpdateWatch.after_step` around each update, with an
+        object whose ``param_groups`` hold the tensors it updates in place.
+        """
+        return self._updates
 
     # -- Adapter protocol ---------------------------------------------------------------
 
@@ -410,8 +416,9 @@ class TorchAdapter(BaseAdapter):
         """A parameter's depth: its owner's, or the nearest ancestor's that ran forward."""
         if param.depth >= 0:
             return param.depth
-        depth = self._depth_of(self._name(n) for n in param.owner_chain)
-        owner = self._layers.get(self._name(param.owner_chain[0]))
+        name = self._index.name
+        depth = self._depth_of(name(n) for n in param.owner_chain)
+        owner = self._layers.get(name(param.owner_chain[0]))
         if owner is not None and owner.depth >= 0:  # the owner's own depth never changes
             param.depth = depth
         return depth

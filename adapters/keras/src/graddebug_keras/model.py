@@ -1,6 +1,11 @@
-"""A Keras model's layers by name, as the TensorFlow backend names them: each layer by its Keras
-``name`` (``outer/inner`` where nested models repeat one), leaf layers watched by default; and
-which layer owns each variable, with the variable's short name (``"kernel"``, ``"bias"``)."""
+"""A Keras model's layers by name, on every backend: each layer by its Keras ``name``
+(``outer/inner`` where nested models repeat one), leaf layers watched by default; which layer
+owns each variable, with the variable's short name (``"kernel"``, ``"bias"``); and the marker of
+the functions Keras compiled, dropped so that the next ``fit`` traces the wrapped calls.
+
+The TensorFlow adapter and the torch and JAX backends of this package all name a model's layers
+and variables through :class:`LayerIndex`, so that one model's runs line up across backends.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,20 @@ import keras
 
 from graddebug.capture.layers import select_layers
 
-__all__ = ["KerasLayers", "channels_first", "children", "short_name"]
+__all__ = ["COMPILED", "LayerIndex", "channels_first", "children", "reset_compiled",
+           "short_name"]
+
+COMPILED = ("train_function", "test_function", "predict_function")
+"""The attributes where a Keras model keeps the functions ``fit``, ``evaluate`` and ``predict``
+compiled: a function traced before a layer's ``call`` was wrapped (or unwrapped) would go on
+running the old one."""
+
+
+def reset_compiled(model: Any) -> None:
+    """Drop the functions Keras compiled for ``model``, so that its next call traces again."""
+    for attr in COMPILED:
+        if getattr(model, attr, None) is not None:
+            setattr(model, attr, None)
 
 
 def children(layer: Any) -> list[Any]:
@@ -20,12 +38,19 @@ def children(layer: Any) -> list[Any]:
 
 
 def short_name(var: Any) -> str:
-    """A variable's own name without scope: ``"kernel"``, ``"bias"``."""
-    return str(var.path).rsplit("/", 1)[-1].split(":", 1)[0]
+    """A variable's own name without scope or suffix: ``"kernel"``, ``"bias"`` (a
+    ``tf.Variable``'s ``"scope/W:0"`` is ``"W"``)."""
+    return str(var.name).rsplit("/", 1)[-1].split(":", 1)[0]
 
 
-class KerasLayers:
-    """Every layer below a Keras model by unique name, their nesting, and variable owners.
+def channels_first(layer: Any) -> bool:
+    """Whether ``layer``'s outputs put units on axis 1."""
+    return getattr(layer, "data_format", None) == "channels_first"
+
+
+class LayerIndex:
+    """Every layer below a model, by its Keras name, or ``outer/inner`` where nested models
+    repeat a name; their nesting; and who owns each variable.
 
     A model with no sub-layers (a bare ``Dense``) is its own only layer.
 
@@ -38,6 +63,10 @@ class KerasLayers:
         self.named: dict[str, Any] = {}
         self.parents: dict[str, str] = {}
         self._owners: dict[int, tuple[str, str]] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Walk the model again: sub-layers and variables may appear on its first call."""
         found: list[tuple[Any, Any]] = []  # (layer, parent layer or None), in walk order
         seen: set[int] = set()
 
@@ -49,7 +78,7 @@ class KerasLayers:
                 found.append((child, parent))
                 walk(child, child)
 
-        walk(model, None)
+        walk(self.model, None)
         counts: dict[str, int] = {}
         for child, _ in found:
             counts[child.name] = counts.get(child.name, 0) + 1
@@ -59,30 +88,41 @@ class KerasLayers:
             if counts[name] > 1 and parent is not None:
                 name = f"{names[id(parent)]}/{name}"
             names[id(child)] = name
-        self.named = {names[id(c)]: c for c, _ in found} or {model.name: model}
+        self.named = {names[id(c)]: c for c, _ in found} or {self.model.name: self.model}
         self.parents = {names[id(c)]: names[id(p)] for c, p in found if p is not None}
-        for name, layer in [*self.named.items(), (model.name, model)]:
+        for name, layer in [(self.root, self.model), *self.named.items()]:
             for var in getattr(layer, "_trainable_variables", []):
                 self._owners.setdefault(id(var), (name, short_name(var)))
 
     @property
     def root(self) -> str:
-        """The model's own name (owner of variables no sub-layer owns)."""
+        """The model's own name (owner of the variables no sub-layer owns)."""
         return str(self.model.name)
 
     def owner(self, var: Any) -> tuple[str, str]:
-        """``(layer name, short name)`` of a variable; the model's name if no layer owns it."""
+        """``(layer name, short name)`` of a variable; the model's name if no layer owns it.
+        A variable not seen yet walks the model again first."""
+        if id(var) not in self._owners:
+            self.refresh()
         return self._owners.get(id(var), (self.root, short_name(var)))
+
+    def ancestors(self, name: str) -> Iterator[str]:
+        """The layers that contain ``name``, innermost first."""
+        while name in self.parents:
+            name = self.parents[name]
+            yield name
 
     def chain(self, name: str) -> tuple[str, ...]:
         """``name``, then the layers that contain it, innermost first, then the model."""
-        out = [name]
-        while name in self.parents:
-            name = self.parents[name]
-            out.append(name)
+        out = [name, *self.ancestors(name)]
         if out[-1] != self.root:
             out.append(self.root)
         return tuple(out)
+
+    def layer_names(self) -> list[str]:
+        """Every layer name of the model, watched or not, and the model's own (for
+        suggestions)."""
+        return list(dict.fromkeys([*self.named, self.root]))
 
     def select(self, layers: Sequence[Any] | None) -> dict[str, Any]:
         """The layers ``layers=`` names: leaf layers by default, else names, globs and types.
@@ -102,8 +142,3 @@ class KerasLayers:
         for var in self.model.trainable_variables:
             layer, short = self.owner(var)
             yield layer, short, var
-
-
-def channels_first(layer: Any) -> bool:
-    """Whether ``layer``'s outputs put units on axis 1."""
-    return getattr(layer, "data_format", None) == "channels_first"
