@@ -20,7 +20,6 @@ import pytest
 
 import graddebug
 import graddebug.adapter as protocol
-from graddebug.adapter.capabilities import CAPABILITIES as declared
 from graddebug.adapter import (
     Adapter,
     CompiledTiers,
@@ -33,6 +32,7 @@ from graddebug.adapter import (
     TrainingCallback,
     TrainStep,
 )
+from graddebug.adapter.capabilities import CAPABILITIES as declared
 from graddebug.errors import (
     ConfigError,
     GradDebugInternalError,

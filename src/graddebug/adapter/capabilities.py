@@ -119,6 +119,13 @@ def _mismatch(spec: Callable[..., Any], impl: Any) -> str | None:
     return None
 
 
+def _shown(spec: Callable[..., Any]) -> str:
+    """``name(parameters)`` of a protocol method as an adapter writes it (self left out)."""
+    signature = inspect.signature(spec)
+    shown = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return f"{spec.__name__}{shown}".replace("'", "")  # annotations are strings here
+
+
 def _check_methods(cls: type, protocol: type, label: str) -> None:
     """Raise for a method of ``protocol`` that ``cls`` lacks or cannot be called as asked."""
     for name, spec in protocol_methods(protocol).items():
@@ -126,12 +133,12 @@ def _check_methods(cls: type, protocol: type, label: str) -> None:
         if impl is None or not callable(getattr(cls, name, None)):
             raise AdapterContractError(
                 f"{_owner(cls)} declares {label} but has no method {name}(); implement "
-                f"{name}{inspect.signature(spec)} or leave {label} out of its capabilities.")
+                f"{_shown(spec)} or leave {label} out of its capabilities.")
         why = _mismatch(spec, impl)
         if why is not None:
             raise AdapterContractError(
-                f"{_owner(cls)}.{name} {why}: {label} calls it as "
-                f"{name}{inspect.signature(spec)}; give it that signature.")
+                f"{_owner(cls)}.{name} {why}: {label} calls it as {_shown(spec)}; give it "
+                "that signature.")
 
 
 def _implements(cls: type, protocol: type) -> bool:

@@ -36,7 +36,8 @@ INSTEAD: dict[str, str] = {
     "outputs": "it has no layer outputs to switch off; drop outputs=",
     "param_stats": "its parameter rows carry the norm only; drop param_stats=",
     "optimizer": "drop optimizer= and call dbg.step() after each optimizer step",
-    "scaler": "hand dbg.step(grads) gradients already unscaled, and drop scaler=",
+    "scaler": "drop scaler=: Keras finds a LossScaleOptimizer through the model's optimizer, "
+              "and gradients handed to dbg.step(grads) can be unscaled first",
     "ops": "dbg.tap(x, name) the tensors around the suspect operation to find where a NaN or "
            "a cut begins",
     "escalate": "dbg.tap(x, name) the tensors around the suspect operation to find where a NaN "

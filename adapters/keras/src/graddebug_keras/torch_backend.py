@@ -237,4 +237,3 @@ class _ParamGroups:
     def param_groups(self) -> list[dict[str, list[torch.Tensor]]]:
         """One group of every trainable variable's tensor, read anew (layers may be added)."""
         return [{"params": [v.value for v in self._model.trainable_variables]}]
-
