@@ -1,18 +1,23 @@
-"""Keras 3 on the torch and JAX backends for graddebug. (Keras on the TensorFlow backend is
-``graddebug_tensorflow``'s.)
+"""The Keras wing of graddebug: the half of Keras support that every backend shares, and Keras 3
+on the torch and JAX backends.
 
 Users do not import this package: ``graddebug.watch(model)`` finds it through the
-``graddebug`` entry-point group, and ``dbg.callback()`` is a Keras callback on every backend.
+``graddebug`` entry-point group, and ``dbg.callback()`` is this package's Keras callback on
+every backend. The TensorFlow adapter (``graddebug_tensorflow``) watches Keras on the
+TensorFlow backend and imports the shared half from here; this package never imports it.
 
 Where things are:
 
+- Shared by every backend (they import no framework but Keras): ``callbacks``, the one Keras
+  callback (one graddebug step per training batch; the optimizer's clip passed on);
+  ``model``, a model's layers by name, which layer owns each variable, and the marker of the
+  functions Keras compiled; ``optimizers``, the check that an object is a Keras optimizer, how
+  it clips, and the instance-level wrap of a method.
 - ``plugin``: the entry point; it claims Keras layers and models whose backend is torch or JAX,
   ahead of the torch adapter (a Keras layer on torch is a ``torch.nn.Module`` too).
-- ``layers``: a Keras model's layers by name, and which layer owns each variable.
-- ``callback``: the Keras callback (one graddebug step per training batch); ``optimizers``:
-  the wrap of a Keras optimizer's methods.
-- ``torch_backend``: the torch backend, on :class:`graddebug_torch.adapter.TorchAdapter`'s hooks.
-- ``jax_backend``: the JAX backend, on :mod:`graddebug_jax`'s ``custom_vjp`` identities and rows.
+- ``torch_backend``: the torch backend, :class:`graddebug_torch.adapter.TorchAdapter` reading
+  the model through a Keras index (:class:`graddebug_torch.model.ModelIndex`).
+- ``jax_backend``: the JAX backend, on :mod:`graddebug_jax`'s public recorder.
 """
 
 from __future__ import annotations

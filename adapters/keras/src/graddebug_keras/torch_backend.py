@@ -8,10 +8,14 @@ variable sees its gradient, and the close reads ``p.grad`` in one transfer. What
 where the layers are: Keras keeps its sub-layers in its own tracker, not as torch child
 modules, so they are found through Keras (:mod:`graddebug_keras.model`) and named as on the
 TensorFlow backend: the Keras layer name, and the variable's short name (``kernel``, ``bias``).
+The torch adapter reads the model only through the index it is given
+(:class:`KerasTorchIndex`, a :class:`graddebug_torch.model.ModelIndex`), and this class uses
+only its public members (``updates``, the adapter protocol), none of its private ones.
 
 Keras's optimizer is not a torch optimizer: the step boundary is the callback's
 ``on_train_batch_end``, or, with ``watch(model, optimizer=opt)``, the end of ``opt.apply``.
-Its ``apply`` is wrapped on the instance to give the torch adapter's update watch what torch's
+Its ``apply`` is wrapped on the instance to give the torch adapter's update watch
+(:attr:`~graddebug_torch.adapter.TorchAdapter.updates`) what torch's
 optimizer step hooks give it (the weights sampled before and after the update), so that
 parameter rows carry ``weight_norm`` and ``update_norm``; the callback also wraps the model's
 ``compute_loss`` for the batch's loss row.
@@ -237,3 +241,4 @@ class _ParamGroups:
     def param_groups(self) -> list[dict[str, list[torch.Tensor]]]:
         """One group of every trainable variable's tensor, read anew (layers may be added)."""
         return [{"params": [v.value for v in self._model.trainable_variables]}]
+
