@@ -8,9 +8,10 @@ Configurations, each an ``nnx.jit`` train step with optax Adam:
 
 - ``floor``: no graddebug, the step also returns one ``optax.global_norm`` of the gradients,
   the least any monitor adds (one fused pass over the gradient bytes).
-- ``params``: ``watch(model, optimizer=monitor(tx), outputs=False)``: parameter gradients,
+- ``params``: ``watch(model, optimizer=nnx.Optimizer(model, monitor(tx)), outputs=False)``:
+  parameter gradients,
   weights and updates (target 1.10).
-- ``full``: ``watch(model, optimizer=monitor(tx))``: the above and every layer output
+- ``full``: the same with ``outputs=True``: the above and every layer output
   (target 1.30).
 
 Workloads, in two sizes:
@@ -182,7 +183,7 @@ def bench(workload: str, config: str, rounds: int, pairs: int) -> Result:
     tx = graddebug_jax.monitor(optax.adam(1e-4)) if config != "floor" else optax.adam(1e-4)
     watched_opt = nnx.Optimizer(watched, tx, wrt=nnx.Param)
     plain_step, watched_step = make_step(False), make_step(config == "floor")
-    watch = (graddebug.watch(watched, optimizer=tx, outputs=config == "full")
+    watch = (graddebug.watch(watched, optimizer=watched_opt, outputs=config == "full")
              if config != "floor" else None)
     dbg = watch.__enter__() if watch is not None else None
     closes: list[float] = []
