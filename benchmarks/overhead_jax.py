@@ -9,8 +9,7 @@ Configurations, each an ``nnx.jit`` train step with optax Adam:
 - ``floor``: no graddebug, the step also returns one ``optax.global_norm`` of the gradients,
   the least any monitor adds (one fused pass over the gradient bytes).
 - ``params``: ``watch(model, optimizer=nnx.Optimizer(model, monitor(tx)), outputs=False)``:
-  parameter gradients,
-  weights and updates (target 1.10).
+  parameter gradients, weights and updates (target 1.10).
 - ``full``: the same with ``outputs=True``: the above and every layer output
   (target 1.30).
 
