@@ -171,3 +171,34 @@ def test_core_is_framework_free() -> None:
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout
+
+
+def test_the_plugin_page_generates_its_tables_from_the_code() -> None:
+    """The capability table, the record's fields and the event kinds of ``docs/plugins.md``
+    come from the adapters' declarations and ``graddebug.records`` (``docs/_ext/adapterdocs``),
+    so the page lists none of them by hand."""
+    from graddebug.records import EventKind, Record
+
+    page = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
+    for directive in ("adapter-capabilities", "record-fields", "event-kinds"):
+        assert f"```{{{directive}}}" in page, directive
+    assert "```{adapter-options}" in (ROOT / "docs" / "options.md").read_text(encoding="utf-8")
+    assert "| `StepClock` |" not in page
+    assert ", ".join(Record._fields[:6]) not in page
+    listed = [kind.value for kind in EventKind if f"`{kind.value}`" in page]
+    assert listed == []
+
+
+def test_the_generated_tables_cover_every_adapter_distribution() -> None:
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import adapterdocs
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+    packages = {where.split(".", 1)[0] for _, where in adapterdocs.ADAPTERS}
+    assert packages == {"graddebug_torch", "graddebug_tensorflow", "graddebug_jax",
+                        "graddebug_keras", "examples/adapter/toygrad"}
+    toy = adapterdocs._load("examples/adapter/toygrad.py:ToyAdapter")
+    assert toy.__name__ == "ToyAdapter" and toy.capabilities
+    assert adapterdocs.first_sentence("Index of the ``step``, e.g. 3. More.") == (
+        "Index of the `step`, e.g. 3.")

@@ -3,8 +3,8 @@
 The public API is what this module exports; everything else is internal. The subpackages are
 the pipeline: ``capture`` (the Watcher) -> ``detectors`` (diagnoses) -> ``runs`` (the files on
 disk) -> ``report`` (Report, load, plots, HTML) -> ``integrations`` (check, pytest, callbacks),
-and ``cli``. Which of them may import which is written in the README's Architecture section
-and checked by import-linter.
+and ``cli``. Which of them may import which is written in ``docs/architecture.md`` and checked
+by import-linter.
 
 Example:
     >>> import graddebug

@@ -46,7 +46,7 @@ _COUNTS = {"growth_window": "steps", "overflow_steps": "steps", "history_window"
 class Thresholds:
     """Where each built-in diagnosis starts to fire. All values must be finite and positive.
 
-    The README's diagnosis table explains each default and where it comes from.
+    ``docs/diagnoses.md`` explains each default and where it comes from.
 
     The depth-ratio rules compare layers by the root mean square of their gradient entries
     (``norm / sqrt(numel)``), not by norms: norms of tensors of different sizes differ by the
@@ -108,7 +108,7 @@ class Thresholds:
         history_grad_factor: ... and a gradient norm (layer outputs, taps, parameters) when
             it lies this many times above or below its median, beyond what every gradient did
             at that step (100: healthy runs move one tensor's gradient by up to 37x in torch
-            and 620x in a Keras attention query during warmup, see the README) ...
+            and 620x in a Keras attention query during warmup, see ``docs/diagnoses.md``) ...
         history_sigma: ... and at least this many robust standard deviations (1.4826 MAD, in
             log10) from it (6: a tensor that swings a lot from step to step is judged by its
             own spread).

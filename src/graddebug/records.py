@@ -66,7 +66,8 @@ class Record(NamedTuple):
         shape: The gradient's shape, as ``str(tuple)``.
         numel: Number of elements.
         norm: L2 norm.
-        mean: Mean entry (NaN where not measured, see the README).
+        mean: Mean entry (NaN where not measured: parameter rows without
+            ``param_stats="full"``).
         std: Population standard deviation of the entries (NaN where not measured).
         absmax: Largest absolute entry (NaN where not measured).
         zero_frac: Fraction of units (features or channels) whose gradient is zero over the

@@ -22,7 +22,7 @@ __all__ = ["ADAPTER_OPTIONS", "WATCHER_OPTIONS", "WATCH_OPTIONS", "WatchOptions"
 class WatchOptions:
     """The options of ``graddebug.watch`` (and of :class:`~graddebug.capture.watcher.Watcher`),
     validated by the core and read by the Watcher and its adapter. This docstring is where the
-    options are documented; ``watch``, the README and the callbacks that take watch options
+    options are documented; ``watch``, the docs and the callbacks that take watch options
     point here.
 
     Attributes:
