@@ -128,3 +128,24 @@ def test_the_jax_wing_reads_no_private_jax_api_and_no_stack_frame():
         text = path.read_text()
         for private in ("jax._src", "._trace", "_getframe", "f_locals", "jax.interpreters"):
             assert private not in text, f"{path.name} uses {private}"
+
+
+@pytest.mark.parametrize(("hand", "route"), [("optimizer", Route.STATE), ("tx", Route.TIED)])
+def test_either_route_leaves_the_weights_bitwise_those_of_plain_training(hand, route):
+    x = batch()
+    plain, watched = MLP([4, 32, 32, 3], seed=1), MLP([4, 32, 32, 3], seed=1)
+    plain_opt = nnx.Optimizer(plain, optax.adam(1e-2), wrt=nnx.Param)
+    tx = graddebug_jax.monitor(optax.adam(1e-2))
+    watched_opt = nnx.Optimizer(watched, tx, wrt=nnx.Param)
+    step = train_step()
+    for _ in range(10):
+        step(plain, plain_opt, x)
+    with graddebug.watch(watched, optimizer=watched_opt if hand == "optimizer" else tx) as dbg:
+        for _ in range(10):
+            step(watched, watched_opt, x)
+            dbg.step()
+    assert set(dbg.adapter.routes) == {route}
+    assert len(dbg.frame().query("kind == 'activation'")) == 3 * 10
+    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(plain, nnx.Param)),
+                    jax.tree_util.tree_leaves(nnx.state(watched, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
