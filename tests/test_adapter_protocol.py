@@ -450,6 +450,56 @@ def test_strict_raises_a_bug_in_a_hook(monkeypatch: pytest.MonkeyPatch) -> None:
         tg.mse(model(x), y).backward()
 
 
+class Subscriber:
+    """A run subscriber that raises what it is given at each recorded step."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    @graddebug.hookimpl
+    def graddebug_step_recorded(self, watcher: Any, step: int, result: Any) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("where", ["subscriber", "live findings"])
+def test_one_fail_open_rule_in_the_core(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core's guards (here a plugin subscriber and the live diagnoses) follow the hooks'
+    rule: a bug becomes an internal_error finding, a GradDebugError propagates."""
+    from graddebug.capture.live import LiveFindings
+
+    def run(error: Exception) -> graddebug.Watcher:
+        pm = new_plugin_manager(entry_points=False)
+        pm.register(tg)
+        if where == "subscriber":
+            pm.register(Subscriber(error))
+        else:
+            def broken(*args: Any, **kwargs: Any) -> None:
+                raise error
+            monkeypatch.setattr(LiveFindings, "observe", broken)
+        model = small_model()
+        x, y = batch()
+        with graddebug.watch(model, plugin_manager=pm) as dbg:
+            tg.mse(model(x), y).backward()
+            dbg.step()
+        return dbg
+
+    with pytest.warns(GradDebugWarning, match="boom"):
+        found = run(RuntimeError("boom")).findings()
+    assert list(found.loc[found["issue"] == "internal_error", "message"].str.contains("boom")) \
+        == [True]
+    with pytest.raises(ConfigError, match="a user's mistake"):
+        run(ConfigError("a user's mistake"))
+
+
+def test_the_core_catches_exceptions_only_through_the_one_guard() -> None:
+    """No ``except Exception`` in the Watcher's modules: FailOpen is the one guard."""
+    capture = Path(graddebug.__file__).parent / "capture"
+    offenders = [f"{path.name}:{i}" for path in sorted(capture.glob("*.py"))
+                 for i, line in enumerate(path.read_text().splitlines(), 1)
+                 if "except Exception" in line and "class FailOpen" not in line]
+    assert offenders == []
+
+
 # -- the protocol and its capabilities ------------------------------------------------------
 
 def _members(proto: type) -> list[str]:
