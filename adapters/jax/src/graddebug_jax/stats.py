@@ -13,9 +13,8 @@ absolute maximum with ``param_stats="full"``), and the sums of squares of the we
 update the optimizer applied. The gradient's are exact. The weight's and the update's are read
 from the fixed strided samples of the plan every adapter shares
 (:func:`graddebug.sampling.plan`): reading every entry of both tripled the bytes the statistics
-read. On a 16-layer 512-wide MLP (``benchmarks/overhead_jax.py``, ``mlp-512``) the statistics
-cost 0.13 of the plain step inside it read whole, 0.06 sampled, against 0.05 for one pass over
-the gradients.
+read, and on the benchmark's MLP doubled what the statistics cost inside the step (the
+Performance page has the numbers).
 """
 
 from __future__ import annotations
@@ -69,9 +68,9 @@ def forward_code(x: Any) -> jax.Array:
     ``FORWARD_INF`` where one is infinite (a float32 scalar, computed on the device).
 
     One reduction, the largest absolute entry, which is NaN where an entry is (XLA's maximum
-    propagates NaN) and else infinite where one is. Measured on the shared 2-core CPU (eight
-    64x256 arrays in one jitted call): 43 us, against 156 us for ``any(isnan)`` and
-    ``any(isinf)``, two passes with a boolean temporary each.
+    propagates NaN) and else infinite where one is: several times faster, measured, than
+    ``any(isnan)`` and ``any(isinf)``, two passes with a boolean temporary each (the
+    Performance page has the timings).
     """
     if not jnp.size(x):
         return jnp.zeros((), jnp.float32)
