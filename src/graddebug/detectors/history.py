@@ -136,10 +136,10 @@ class History:
         the step's common move, which moves at most as much, stays within the factor), and
         so every update/weight ratio; no weight norm moved by ``history_factor``, no ratio
         at the stall floor, no zero fraction at ``dead_fraction``. Live, after a training
-        step has evicted numpy's code from the caches, each numpy function a step touches
-        costs 10-130 us the first time: these checks touch some 15 of them, the full rules
-        several times as many (History.observe on a 16-layer MLP: 0.38 -> 0.14 ms for its 32 rows,
-        0.39 -> 0.15 ms for 64).
+        step has evicted numpy's code from the caches, each numpy function a step touches is
+        slow the first time: these checks touch some 15 of them, the full rules several times
+        as many, so that the quiet path more than halves ``History.observe`` (the Performance
+        page has the timings).
         """
         t = self._t
         layout = self._layout

@@ -240,10 +240,10 @@ class StateBuffers:
 
     def _traced_pair(self) -> tuple[Any, Any] | None:
         """:meth:`flat` and :meth:`clear` as ``tf.function`` calls, traced once per set of
-        variables, where they are called eagerly in one process: one dispatch each instead of
-        an op per buffer (a close of a Keras MLP's ``fit`` step went from about 1 ms of eager
-        ops to a fraction). None where they must run as they are: inside a graph (the fused
-        close of ``step(grads)``), or under a strategy of several replicas."""
+        variables, where they are called eagerly in one process: one dispatch each instead of an
+        op per buffer, which made a close of a Keras MLP's ``fit`` step several times cheaper
+        (see the Performance page). None where they must run as they are: inside a graph (the
+        fused close of ``step(grads)``), or under a strategy of several replicas."""
         if self.replicas > 1 or not tf.executing_eagerly():
             return None
         variables = self._variables()

@@ -2,12 +2,13 @@
 
 In eager mode each watched output of a step that measures the sentinel only (see
 :mod:`graddebug.capture.tiers`) costs one reduction forward, the finiteness sum, and two
-backward, the sum of squares and the sum. Through a compiled writer (:class:`.FlatWriter`)
-each of them is a function call of about 0.2 ms on the benchmark's CPU, most of it TF's cost of
-running a function; as single ops they take 15-30 us. :class:`EagerRows` runs those ops,
-keeps their scalar results and the values the host already knows (the flags, the shape, the
-markers of statistics not measured), and writes them all into the buffers (:mod:`.captures`)
-when the step is read: a few ops for the whole step, and no transfer of its own.
+backward, the sum of squares and the sum. Through a compiled writer (:class:`.FlatWriter`) each
+of them is a function call, most of whose cost is TF's cost of running a function; as single ops
+they take a fraction of that (the Performance page has the timings). :class:`EagerRows` runs
+those ops, keeps their scalar results and the values the host already knows (the flags, the
+shape, the markers of statistics not measured), and writes them all into the buffers
+(:mod:`.captures`) when the step is read: a few ops for the whole step, and no transfer of its
+own.
 
 The rows written are those :func:`.write_forward` and :func:`.write_activation` would write
 (with no loss scale, no intervention and ``full=False``), bit for bit: the same kernels reduce

@@ -213,7 +213,7 @@ def write_activation(var: tf.Variable, row: Any, grad: tf.Tensor, pre: tf.Tensor
 
 def compiled(function: Any) -> Any:
     """``function`` as one ``tf.function`` call: in eager mode that is one dispatch instead of
-    a dozen ops per gradient (about 3x faster). Named ``graddebug_*`` so that TF's warning about
+    a dozen ops per gradient, and the faster. Named ``graddebug_*`` so that TF's warning about
     frequent retracing, which a new model's shapes cause, is not shown for it."""
     @functools.wraps(function)
     def run(*args: Any) -> Any:
@@ -248,15 +248,14 @@ class FlatWriter:
     """A row writer (:func:`write_forward`, :func:`write_activation`) for eager code, called
     through the flat entry point of its trace.
 
-    Called as a ``tf.function``, each call matches its arguments to a trace again: about
-    1.1 ms for :func:`write_activation` on a 128 x 512 gradient on the benchmark's CPU, against
-    0.3 ms through the flat entry point, so that an eager step of 32 layer outputs spent most
-    of graddebug's time there. A call whose arguments after the variable, the row and the
-    tensor are all Python values (None, bools, ints: they pick the trace), with an eager
-    tensor and a plain resource variable, goes through the trace kept for them, the tensor's
-    shape and dtype and the variable's; any other call (a loss scale among the arguments, a
-    symbolic tensor, a distributed variable rather than one of its components) goes through
-    the ``tf.function``.
+    Called as a ``tf.function``, each call matches its arguments to a trace again, which costs
+    several times the write itself (the Performance page has the timings), so that an eager step
+    of many layer outputs spent most of graddebug's time there. A call whose arguments after the
+    variable, the row and the tensor are all Python values (None, bools, ints: they pick the
+    trace), with an eager tensor and a plain resource variable, goes through the trace kept for
+    them, the tensor's shape and dtype and the variable's; any other call (a loss scale among
+    the arguments, a symbolic tensor, a distributed variable rather than one of its components)
+    goes through the ``tf.function``.
 
     Args:
         function: The writer as one ``tf.function`` (:func:`compiled`), shared by every

@@ -227,9 +227,9 @@ def _norm_state(module: _BatchNorm) -> Tensor | None:
     when there are none: the output is then finite).
 
     Its output handed to any reader outside inductor's own kernels (the check, fused or not)
-    made a compiled CNN's step 3x slower on the CPU. The running statistics count only where
-    the forward uses them (evaluation): a NaN left in them by an earlier step does not reach a
-    training-mode output.
+    made a compiled CNN's step several times slower on the CPU. The running statistics count
+    only where the forward uses them (evaluation): a NaN left in them by an earlier step does
+    not reach a training-mode output.
     """
     parts: list[Tensor | None] = [module.weight, module.bias]
     if not (module.training or module.running_mean is None):

@@ -1,8 +1,9 @@
 """Forward hooks taken off the modules on the steps ``every=`` skips.
 
 A module with any forward hook leaves torch's fast call path for one that collects and calls
-its hooks: on a model of many small layers that costs about 6% of a step even when the hooks
-return at once, and graddebug's own early returns as much again. On a step ``every=`` skips
+its hooks: on a model of many small layers that is a measurable part of a step even when the
+hooks return at once, and graddebug's own early returns as much again (see the Performance
+page). On a step ``every=`` skips
 the hooks have nothing to do (interventions and compiled graphs, which need them there, keep
 them), so the adapter takes them off the module between the steps, and puts them back before
 the next recorded step.

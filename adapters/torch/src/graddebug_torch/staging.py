@@ -2,8 +2,8 @@
 
 A hook that reduces its gradient on the spot launches four kernels (sum of squares, sum,
 per-unit max and min), each with a few microseconds of fixed cost, whatever the gradient's
-size. On a model of many small layers that fixed cost is the whole overhead: 10,000
-``Linear(8, 8)`` layers on a batch of 4 made a step 5x slower. A gradient of at most
+size. On a model of many small layers that fixed cost is the whole overhead (the Performance
+page has the measurement, ``benchmarks/many_layers_torch.py``'s model). A gradient of at most
 :data:`SMALL_NUMEL` entries is therefore copied (one kernel) into a staging buffer of its shape,
 and the buffer is reduced in one batched pass per shape when the step closes. The copy belongs
 to graddebug, so no live tensor of the user's is kept, and the buffers are reused from step to

@@ -1,9 +1,10 @@
 """Gradient statistics computed on the device, without host syncs or gradient-sized temporaries.
 
 A captured gradient costs four reductions in its hook: the sum of squares (a BLAS ``dot`` on the
-flat view, 2-4x faster than ``vector_norm`` on CPU), the sum (on CPU, for some sizes, a ``dot``
-with a ones vector: see :class:`DotSums`), and the per-unit max and min (``amax``/``amin``; the
-fused per-axis ``aminmax`` is 5-11x slower on CPU); a sentinel step measures the first two only.
+flat view, faster than ``vector_norm`` on CPU), the sum (on CPU, for some sizes, a ``dot`` with a
+ones vector: see :class:`DotSums`), and the per-unit max and min (``amax``/``amin``; the fused
+per-axis ``aminmax`` is slower on CPU); a sentinel step measures the first two only. The
+measurements behind these choices are on the Performance page (``docs/performance.md``).
 The per-unit extremes give ``absmax`` and the count of dead units; they are combined for all
 captures of a step at once, in :func:`unit_summary`. NaN propagates through ``dot``, ``amax``
 and ``amin``, so a NaN ``absmax`` marks a NaN gradient without counting entries. Parameter
@@ -48,11 +49,11 @@ def acc_dtype(tensor: Tensor) -> torch.dtype:
 def finiteness(tensor: Tensor, sums: DotSums | None = None) -> Tensor:
     """One number that is finite exactly when ``tensor`` is, for the forward check.
 
-    An activation costs one sum (the cheapest reduction here; a float64 sum is 36x slower on
-    an 8 MB output). A tensor that needs no gradient (attention masks, position tables) may be
-    full of ``finfo.min``, whose float32 sum overflows to -inf: its largest magnitude, from
-    ``amax`` and ``amin``, cannot overflow. Such tensors are few and small. ``sums``, where
-    given, takes the sum.
+    An activation costs one sum (the cheapest reduction here, in the tensor's own precision: a
+    float64 sum of a large float32 output is many times slower). A tensor that needs no
+    gradient (attention masks, position tables) may be full of ``finfo.min``, whose float32 sum
+    overflows to -inf: its largest magnitude, from ``amax`` and ``amin``, cannot overflow. Such
+    tensors are few and small. ``sums``, where given, takes the sum.
     """
     data = tensor.detach()
     if tensor.requires_grad or data.numel() == 0:
@@ -92,10 +93,9 @@ class DotSums:
 
     ATen splits a reduction of more than :data:`PARALLEL_GRAIN` entries over its intra-op
     threads. Inside a training step, for a tensor that fits in cache, the split costs more than
-    it saves: on the benchmark's MLP (2 threads, 64k-entry outputs) torch's profiler gives
-    ``sum`` 22 us of self time and ``dot`` with ones 10 us. Larger tensors stream from memory,
-    where ``dot`` reads twice the bytes of ``sum`` and loses (on its CNN, 262k-1M entries on
-    two threads, 78 us against 48 us), and on one thread ``sum`` never splits and wins too. So
+    it saves, and ``dot`` with ones, which does not split, is the faster. Larger tensors stream
+    from memory, where ``dot`` reads twice the bytes of ``sum`` and loses, and on one thread
+    ``sum`` never splits and wins too (the profiles are on the Performance page). So
     a contiguous float32 or float64 CPU tensor of more than :data:`PARALLEL_GRAIN` and at most
     :data:`DOT_SUM_LIMIT` entries is summed as its ``dot`` with ones when torch runs more than
     one thread; other tensors use ``sum``. One ones buffer per dtype is kept, as long as the
@@ -205,8 +205,8 @@ def param_norms(grads: Sequence[Tensor], groups: Sequence[int]) -> list[tuple[li
     On CPU ``_foreach_norm`` is a loop of one kernel per tensor; the gradients of one group
     (``groups``, from :attr:`~graddebug_torch.params.ParamRow.group`: small parameters of one
     shape, dtype and device; -1 for none) are stacked instead, one kernel per group, which on
-    a model of many small layers is 10-20x faster. A group that no longer stacks (a parameter
-    moved since) is measured one gradient at a time.
+    a model of many small layers is an order of magnitude faster. A group that no longer
+    stacks (a parameter moved since) is measured one gradient at a time.
 
     Args:
         grads: The gradients (dense).

@@ -24,14 +24,12 @@ a close whose stamps have not moved since reuses. So a training step reads the s
 once, in the post-hook, and a close adds no device work of its own; everything stays on the
 device until the close queues it on the step's single host transfer.
 
-That read is most of the cost. On the benchmark's MLP (16 x Linear 512, two CPU threads) this
-module adds about 0.8 ms to a 37 ms step: 0.25-0.3 ms the post-hook's copy, whose 792 entries
-of each weight lie on 792 cache lines over all 256 of its 4 KB pages, read just after the
-optimizer streamed 32 MB past them (the same copy takes 0.08 ms in a loop of its own, and 0.09
-ms in place for 792 contiguous entries: each tensor costs some microseconds cold, each page
-and line more); the rest the stamps (three checks a step, 0.6 us a parameter each) and the
-hooks' Python. Touching fewer pages would cover fewer rows of each weight, and the estimates
-of updates, whose rows differ in scale, would suffer first.
+That read is most of the cost: the post-hook's copy, whose strided entries lie on as many
+cache lines across all the pages of each weight, read just after the optimizer streamed the
+whole model past them, so that each tensor costs some microseconds cold, each page and line
+more; the rest is the stamps and the hooks' Python (the Performance page has the breakdown on
+the benchmark's MLP). Touching fewer pages would cover fewer rows of each weight, and the
+estimates of updates, whose rows differ in scale, would suffer first.
 
 A change made through ``.data`` in place (``p.data.mul_(2)``) moves no stamp, as it escapes
 autograd's version counter too: it is seen at the next optimizer step, whose update it joins.
