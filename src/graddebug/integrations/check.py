@@ -67,7 +67,8 @@ def check(
     last step stay on the model, as after a plain ``backward()``.
 
     Args:
-        model: A model a graddebug adapter can watch (``torch.nn.Module``, Keras model).
+        model: A model a graddebug adapter can watch (a ``torch.nn.Module``, a Keras model, a
+            Flax NNX module).
         batch: The model's input, or an ``(inputs, targets)`` pair: a tuple or list of exactly
             two items is taken as the pair unless ``targets=`` is given (see
             :func:`split_batch`).
