@@ -6,7 +6,7 @@ of zeros threaded through the identities of one trace in forward order, and retu
 unchanged. In the backward pass the token's cotangent flows through the same identities in
 reverse: each writes its row (:func:`~.stats.activation_row`) into its slot and passes the
 token's cotangent on. The first identity of the chain, whose token input is a constant, is its
-*sink*: its backward rule hands the whole chain's rows to the :class:`~.transport.Outlet`, which
+*sink*: its backward rule hands the whole chain's rows to the :class:`~.transport.Transport`, which
 sends them to the host with the step's other statistics (the optimizer update's), or alone
 where no update follows in the same trace. So a backward pass costs one host transfer at most,
 however many layers it crosses.
@@ -16,10 +16,9 @@ gradient at all (an output behind ``jax.lax.stop_gradient`` does not), and the b
 learns whether any cotangent reached it (a symbolic zero means the graph is cut downstream of
 it), which are the cut-graph events.
 
-How the rows reach the host: see :mod:`.transport`. Measured on the shared 2-core CPU
-(``jax.jit(jax.grad(f))`` with 8 taps on 64x256 arrays, median of 200 steps, two runs): plain
-6.0-7.6 ms a step; one ``jax.debug.callback`` per chain 11.7-11.8 ms; one per tap
-(``CAPACITY = 1``) 12.8-14.4 ms. Most of the difference to plain is the reductions themselves.
+How the rows reach the host: see :mod:`.transport`. One host callback per chain costs less
+than one per tap, and most of the difference to a plain step is the reductions themselves (the
+Performance page has the timings).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from jax.custom_derivatives import SymbolicZero
 from graddebug.capture.layers import Intervention, LayerSpec, intervene_fail_open
 from graddebug_jax.model import path_name
 from graddebug_jax.stats import ACT_COLUMNS, activation_row, forward_code
-from graddebug_jax.transport import Outlet, Parcel
+from graddebug_jax.transport import Parcel, Transport
 
 __all__ = [
     "CAPACITY",
@@ -125,8 +124,8 @@ def _floating(x: Any) -> bool:
     return isinstance(x, jax.Array) and bool(jnp.issubdtype(x.dtype, jnp.floating))
 
 
-def post_with(out: Any, parcel: Parcel, outlet: Outlet) -> Any:
-    """Post ``parcel`` (made in a forward pass) to ``outlet`` from the forward rule of an
+def post_with(out: Any, parcel: Parcel, transport: Transport) -> Any:
+    """Post ``parcel`` (made in a forward pass) to ``transport`` from the forward rule of an
     identity on ``out``'s first floating leaf, and return ``out`` (the same values).
 
     A forward pass that is differentiated runs with the differentiation's trace current, but
@@ -136,16 +135,16 @@ def post_with(out: Any, parcel: Parcel, outlet: Outlet) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(out)
     at = next((i for i, leaf in enumerate(leaves) if _floating(leaf)), None)
     if at is None or not parcel.traced:
-        outlet.post(parcel)
+        transport.post(parcel)
         return out
 
     @jax.custom_vjp
     def ident(x: Any) -> Any:
-        outlet.post(parcel)
+        transport.post(parcel)
         return x
 
     def fwd(x: Any) -> tuple[Any, None]:
-        outlet.post(parcel)
+        transport.post(parcel)
         return x, None
 
     def bwd(_: None, ct: Any) -> tuple[Any]:
@@ -200,14 +199,14 @@ class Chains:
     Args:
         deliver: Where a chain's rows go on the host.
         on_bug: Records a bug caught inside a backward rule.
-        outlet: Takes each complete chain's rows to the host (:mod:`.transport`).
+        transport: Takes each complete chain's rows to the host (:mod:`.transport`).
     """
 
     def __init__(self, deliver: Deliver, on_bug: Callable[[BaseException, str], None],
-                 outlet: Outlet) -> None:
+                 transport: Transport) -> None:
         self._deliver = deliver
         self._on_bug = on_bug
-        self._outlet = outlet
+        self._transport = transport
         self._chain: _Chain | None = None
 
     def reset(self) -> None:
@@ -245,7 +244,8 @@ class Chains:
 
     def _identity(self, chain: _Chain, site: Site, slot: int, spec: Intervention | None,
                   check_forward: bool) -> Any:
-        deliver, on_bug, sites, outlet = self._deliver, self._on_bug, chain.sites, self._outlet
+        deliver, on_bug, transport = self._deliver, self._on_bug, self._transport
+        sites = chain.sites
 
         @jax.custom_vjp
         def ident(x: Any, token: Any) -> tuple[Any, Any]:
@@ -273,7 +273,7 @@ class Chains:
                 return out_x, ct_token
             # The sink: the chain's rows are complete once its first identity is reached.
             used = list(sites)
-            outlet.sink(Parcel([ct_token[: len(used)]],
+            transport.sink(Parcel([ct_token[: len(used)]],
                                lambda values: deliver(used, values[0]), chain=True))
             return out_x, None
 

@@ -4,7 +4,7 @@ JAX's identities: :class:`~graddebug_jax.adapter.JaxAdapter` and Keras on the JA
 
 An adapter owns one :class:`Recorder` and calls its methods; it never subclasses another
 adapter nor reads its private state. The Recorder holds the open step's rows
-(:class:`.closing.StepRows`), the transport of its parcels (:class:`.transport.Outlet`) and the
+(:class:`.closing.StepRows`), the transport of its parcels (:class:`.transport.Transport`) and the
 chains of identities that measure layer outputs and taps (:class:`.outputs.Chains`).
 """
 
@@ -23,7 +23,7 @@ from graddebug.capture.layers import FailOpen, LayerSpec
 from graddebug.errors import ConfigError
 from graddebug_jax.closing import ParamNamer, StepRows
 from graddebug_jax.outputs import Chains, check_inputs, post_with, probe_args, watch_leaves
-from graddebug_jax.transport import Outlet, Parcel, Route
+from graddebug_jax.transport import Parcel, Route, Transport
 
 __all__ = ["Recorder"]
 
@@ -50,7 +50,7 @@ class Recorder:
     def __init__(self, namer: ParamNamer, guard: FailOpen, on_bug: OnBug,
                  warn_once: WarnOnce) -> None:
         self._rows = StepRows(namer, guard)
-        self._transport = Outlet(self._rows.received, self._rows.hold, on_bug)
+        self._transport = Transport(self._rows.received, self._rows.hold, on_bug)
         self._chains = Chains(self._rows.add_layers, on_bug, self._transport)
         self._warn_once = warn_once
 
@@ -72,7 +72,7 @@ class Recorder:
         return self._transport.tied
 
     @property
-    def transport(self) -> Outlet:
+    def transport(self) -> Transport:
         """The transport, which a carrier (the optax monitor) stores or sends through."""
         return self._transport
 

@@ -1,7 +1,7 @@
 """How a step's statistics leave the device: once per recorded step, by one of four routes.
 
 Every source of rows (a backward pass's chain of layer outputs, the model's input check, an
-optax monitor's update, Keras's loss) hands a :class:`Parcel` to the adapter's :class:`Outlet`.
+optax monitor's update, Keras's loss) hands a :class:`Parcel` to the adapter's :class:`Transport`.
 A traced parcel waits in its trace until a *carrier* gathers every parcel of that trace: the
 optimizer's update (the optax monitor, Keras's ``stateless_apply``) where one is bound, since it
 runs after the backward pass in the same compiled step; else the backward pass's last sink.
@@ -28,7 +28,7 @@ route       chosen where                   how the rows travel              when
 
 A traced parcel that no carrier gathered (the update compiled apart from the backward pass) is
 an *orphan*: the close finds it, warns once, and the adapter's sinks send their chains' rows
-themselves from then on (:meth:`Outlet.stop_carrying`).
+themselves from then on (:meth:`Transport.stop_carrying`).
 
 Why four: an effectful ``jax.debug.callback`` sends every call of a compiled step down JAX's
 Python dispatch path instead of its C++ one, which a ``pure_callback`` tied to an integer
@@ -57,7 +57,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Land", "Outlet", "Parcel", "Route", "choose_route", "send"]
+__all__ = ["Land", "Parcel", "Route", "Transport", "choose_route", "send"]
 
 Land = Callable[[Sequence[np.ndarray]], None]
 """``land(values)``: turns a parcel's arrays, now numpy on the host, into pending rows."""
@@ -181,7 +181,7 @@ def send(parcels: list[Parcel], received: Callable[[], None], tie: Any = None,
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-class Outlet:
+class Transport:
     """The parcels of one adapter: held (eager), waiting in a trace, or sent.
 
     Args:

@@ -34,7 +34,7 @@ from flax import nnx
 
 from graddebug_jax.model import path_name
 from graddebug_jax.stats import ACT_COLUMNS, PARAM_COLUMNS, param_rows
-from graddebug_jax.transport import Land, Outlet, Parcel
+from graddebug_jax.transport import Land, Parcel, Transport
 
 __all__ = ["Monitor", "MonitorState", "extra_size", "monitor", "monitor_of"]
 
@@ -87,7 +87,7 @@ class Monitor:
         self.inner = optax.with_extra_args_support(inner)
         self.sink: ParamSink | None = None
         self.full = False
-        self.outlet: Outlet | None = None
+        self.transport: Transport | None = None
         self.keeper: weakref.ref[Any] | None = None
         """The ``nnx.Optimizer`` that keeps this transformation's state, named by the user
         (:meth:`adopt`): the close reads the state from it."""
@@ -104,11 +104,11 @@ class Monitor:
         self.silent = False
         """Whether an update was traced with no Watcher bound and measures nothing."""
 
-    def bind(self, sink: ParamSink | None, full: bool = False, outlet: Outlet | None = None
+    def bind(self, sink: ParamSink | None, full: bool = False, transport: Transport | None = None
              ) -> None:
-        """Report to ``sink`` from now on (None: to nobody), through ``outlet``; ``full``
+        """Report to ``sink`` from now on (None: to nobody), through ``transport``; ``full``
         also measures each gradient's mean and absolute maximum."""
-        self.sink, self.full, self.outlet = sink, full, outlet
+        self.sink, self.full, self.transport = sink, full, transport
         stored = self._stored()
         self._seen = stored[0] if stored is not None else None  # older rows are not news
 
@@ -142,7 +142,7 @@ class Monitor:
         """``inner``'s update, bit for bit; the parameter rows and the parcels waiting in the
         trace stored in the state or sent in one callback."""
         new_updates, new_inner = self.inner.update(updates, state.inner, params, **extra)
-        if self.outlet is None:
+        if self.transport is None:
             traced = any(isinstance(leaf, jax.core.Tracer)
                          for leaf in jax.tree_util.tree_leaves(updates))
             if not traced or self.nnx_kept:
@@ -163,21 +163,21 @@ class Monitor:
         rows = param_rows(grads, applied if len(applied) == len(grads) else None, weights,
                           self.full)
 
-        outlet = self.outlet
-        if outlet is None:  # a plain optax loop traced unbound: a later binding hears of it,
-            self.layout = None  # by Route.EFFECT (no outlet: the monitor lands the rows)
+        transport = self.transport
+        if transport is None:  # a plain optax loop traced unbound: a later binding hears of it,
+            self.layout = None  # by Route.EFFECT (no transport: the monitor lands the rows)
             jax.debug.callback(lambda values: self._land(paths, values), rows)
             return new_updates, MonitorState(new_inner, state.rows, jnp.zeros_like(state.extra))
         parcel = Parcel([rows], lambda values: self._land(paths, values[0]))
-        stored = self._store(outlet, parcel, rows.shape == state.rows.shape,
+        stored = self._store(transport, parcel, rows.shape == state.rows.shape,
                              int(jnp.size(state.extra)))
         if stored is not None:
             return new_updates, MonitorState(new_inner, rows, stored)
         # Sent: key 0 tells the close that this step's state holds nothing new.
-        return new_updates, MonitorState(outlet.gather(parcel, new_inner), state.rows,
+        return new_updates, MonitorState(transport.gather(parcel, new_inner), state.rows,
                                          jnp.zeros_like(state.extra))
 
-    def _store(self, outlet: Outlet, own: Parcel, fits: bool, room: int) -> Any:
+    def _store(self, transport: Transport, own: Parcel, fits: bool, room: int) -> Any:
         """The ``extra`` of the state that carries ``own``'s trace's other parcels (``own`` is
         the state's ``rows``), their layout recorded under the key it starts with, where
         :attr:`.transport.Route.STATE` is the route; None where they go by callback (eager,
@@ -185,15 +185,15 @@ class Monitor:
         if self._keeper() is None or not fits or not own.traced:
             self.layout = None
             return None
-        others = outlet.take_trace()
+        others = transport.take_trace()
         flat = [jnp.ravel(a).astype(jnp.float32) for p in others for a in p.arrays]
         size = 1 + sum(int(f.size) for f in flat)
         if size > room:
             for parcel in others:  # back to waiting: the callback takes them
-                outlet.post(parcel)
+                transport.post(parcel)
             self.layout = None
             return None
-        outlet.route([own, *others], fits_state=True)
+        transport.route([own, *others], fits_state=True)
         self.layout = [_Stored(p.land, [(tuple(a.shape), a.dtype) for a in p.arrays])
                        for p in [own, *others]]
         key = max(self._layouts, default=0) % _KEYS + 1
