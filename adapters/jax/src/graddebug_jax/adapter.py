@@ -5,15 +5,16 @@ On attach it labels the watched modules and wraps their classes' ``__call__``
 (:mod:`.model`); each output then passes through a ``jax.custom_vjp`` identity whose backward
 rule measures (and may alter) the cotangent (:mod:`.outputs`). The statistics are computed inside
 the traced computation, eager or under ``jax.jit``/``nnx.jit``, and cross to the host once
-per recorded step (:mod:`.transport`): under jit in the optax monitor's state, which the close
-fetches (the monitor's rows, the layer-output rows and the input check, where an
-``nnx.Optimizer`` keeps that state and they fit its room), else in one callback carried by the
-monitor's update, or by the backward pass where no monitor is bound; eager in one fetch when
-the step closes.
+per recorded step, by one of the routes of :mod:`.transport`: under jit in the optax monitor's
+state, which the close fetches (the monitor's rows, the layer-output rows and the input check,
+where the ``nnx.Optimizer`` handed to ``watch(optimizer=...)`` keeps that state and they fit
+its room), else in one callback carried by the monitor's update, or by the backward pass where
+no monitor is bound; eager in one fetch when the step closes. All of it goes through a
+:class:`~graddebug_jax.recorder.Recorder`, the interface Keras on the JAX backend uses too.
 :mod:`.closing` turns them into records when ``dbg.step()`` closes the step. Parameter
-gradients come from the optax monitor (``watch(optimizer=tx)``: the gradients, the weights and
-the applied updates) or from ``dbg.step(grads)`` (a pytree of gradients, one compiled
-reduction fetched with the step's other parcels).
+gradients come from the optax monitor (``watch(optimizer=optimizer)``: the gradients, the
+weights and the applied updates) or from ``dbg.step(grads)`` (a pytree of gradients, one
+compiled reduction fetched with the step's other parcels).
 
 No optimizer step closes a graddebug step: the update runs inside a compiled function, where
 calling back into the Watcher would run it on the runtime's thread in the middle of the user's

@@ -279,8 +279,11 @@ def monitor(inner: optax.GradientTransformation) -> optax.GradientTransformation
 
         tx = graddebug_jax.monitor(optax.adam(1e-3))
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-        with graddebug.watch(model, optimizer=tx) as dbg:
+        with graddebug.watch(model, optimizer=optimizer) as dbg:
             ...  # train_step(model, optimizer, batch) under nnx.jit; dbg.step() after each
+
+    Handing ``watch`` the ``nnx.Optimizer`` (rather than ``tx``) says who keeps the state, so
+    that the statistics leave the step in it (:attr:`.transport.Route.STATE`).
 
     Args:
         inner: Any optax transformation (``optax.adam(1e-3)``, an ``optax.chain``).
