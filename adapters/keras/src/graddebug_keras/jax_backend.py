@@ -4,14 +4,15 @@ compiled train step.
 ``model.fit`` runs a jitted, stateless train step: ``jax.value_and_grad`` of the loss over the
 trainable variables' values, then ``optimizer.stateless_apply``. Nothing of it can call back
 into Python as it runs, and no gradient is left on a variable. So graddebug puts its work into
-the traced computation itself, where it is compiled with the step:
+the traced computation itself, where it is compiled with the step, through a
+:class:`graddebug_jax.recorder.Recorder` (graddebug_jax's public interface for this):
 
 - each watched layer's ``call`` is wrapped on the instance: its floating outputs pass through
-  the ``jax.custom_vjp`` identities of :class:`graddebug_jax.outputs.Chains`, whose backward rule
-  measures the gradient at the output and leaves the backward pass's rows in the trace;
+  the Recorder's ``jax.custom_vjp`` identities, whose backward rule measures the gradient at
+  the output and leaves the backward pass's rows in the trace;
 - the model's own ``call`` checks its floating inputs for NaN/Inf
-  (:func:`graddebug_jax.outputs.check_inputs`), and its ``compute_loss`` passes the batch's loss
-  through an identity whose forward rule keeps the value (the loss row);
+  (:meth:`~graddebug_jax.recorder.Recorder.check_inputs`), and its ``compute_loss`` passes the
+  batch's loss through an identity whose forward rule keeps the value (the loss row);
 - the optimizer's ``stateless_apply`` (and its eager ``apply``) is wrapped on the instance:
   it measures the gradients it is handed, the weights they were taken at and the update it
   makes (:func:`graddebug_jax.stats.param_rows`), and carries them with everything the trace
