@@ -123,12 +123,22 @@ def _current_trace() -> Any:
     return jax.extend.core.get_opaque_trace_state(convention="nnx")
 
 
-def _unpack(parcels: list[Parcel], values: Sequence[Any]) -> None:
+def _unpack(parcels: list[Parcel], values: Sequence[Any],
+            on_bug: Callable[[BaseException, str], None] | None) -> None:
+    """Land each parcel's share of ``values``; a bug in landing one (fail-open, where
+    ``on_bug`` is given) loses that parcel's rows only."""
     at = 0
     for parcel in parcels:
         n = len(parcel.arrays)
-        parcel.land([np.asarray(v) for v in values[at:at + n]])
+        share = [np.asarray(v) for v in values[at:at + n]]
         at += n
+        if on_bug is None:
+            parcel.land(share)
+            continue
+        try:
+            parcel.land(share)
+        except Exception as exc:  # fail-open: the user's step goes on
+            on_bug(exc, "host transfer")
 
 
 def _integer_leaf(leaves: list[Any]) -> int | None:
@@ -160,13 +170,7 @@ def send(parcels: list[Parcel], received: Callable[[], None], tie: Any = None,
 
     def deliver(*values: Any) -> None:
         received()
-        if on_bug is None:
-            _unpack(parcels, values)
-            return
-        try:
-            _unpack(parcels, values)
-        except Exception as exc:  # fail-open: the user's step goes on
-            on_bug(exc, "host transfer")
+        _unpack(parcels, values, on_bug)
 
     if at is None:
         jax.debug.callback(deliver, *arrays)
