@@ -149,3 +149,23 @@ def test_either_route_leaves_the_weights_bitwise_those_of_plain_training(hand, r
     for a, b in zip(jax.tree_util.tree_leaves(nnx.state(plain, nnx.Param)),
                     jax.tree_util.tree_leaves(nnx.state(watched, nnx.Param)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_bug_landing_one_parcel_of_a_callback_loses_that_parcels_rows_only(monkeypatch):
+    from graddebug.errors import GradDebugWarning
+    from graddebug_jax.closing import StepRows
+
+    def broken(self, sites, rows):
+        raise ZeroDivisionError("planted in the layer rows")
+
+    monkeypatch.setattr(StepRows, "add_layers", broken)
+    with pytest.warns(GradDebugWarning, match="planted in the layer rows"):
+        dbg, model, x = _monitored(jit=True, hand="tx")
+    assert dict(dbg.adapter.routes) == {Route.TIED: 1}
+    frame = dbg.frame()
+    assert set(frame["kind"]) == {"parameter"}  # the update's rows landed all the same
+    _, params = _references(model, x)
+    last = frame.query(f"step == {STEPS - 1}")
+    got = {f"{r.layer}.{r.tensor}": r.norm for r in last.itertuples()}
+    np.testing.assert_allclose([got[k] for k in params], list(params.values()), rtol=1e-5)
+    assert set(dbg.findings()["issue"]) == {"internal_error"}
