@@ -25,7 +25,7 @@ class _JaxRun:
 
 class EagerDriver(Driver):
     """JAX, eager: ``nnx.value_and_grad``, ``optimizer.update``, then ``dbg.step(loss=...)``,
-    with ``watch(model, optimizer=tx)``."""
+    with ``watch(model, optimizer=nnx_optimizer)`` (the optimizer keeps the monitor's state)."""
 
     mode = "jax-eager"
     compiled = False
@@ -67,19 +67,20 @@ class EagerDriver(Driver):
         import graddebug_jax
 
         tx = self.optax.sgd(LR)
-        return _JaxRun(self.Net(variant), tx if plain else graddebug_jax.monitor(tx),
-                       variant == "wide")
+        run = _JaxRun(self.Net(variant), tx if plain else graddebug_jax.monitor(tx),
+                      variant == "wide")
+        run.optimizer = self.nnx.Optimizer(run.model, run.tx, wrt=self.nnx.Param)
+        return run
 
     def watch(self, run: Any, **options: Any) -> contextlib.AbstractContextManager[Any]:
-        return graddebug.watch(run.model, optimizer=run.tx, **options)
+        return graddebug.watch(run.model, optimizer=run.optimizer, **options)
 
     def native(self, array: np.ndarray) -> Any:
         return self.jnp.asarray(array)
 
     def train(self, run: Any, dbg: Any, steps: int = 1) -> None:
         nnx, jnp = self.nnx, self.jnp
-        if run.optimizer is None:
-            run.optimizer = nnx.Optimizer(run.model, run.tx, wrt=nnx.Param)
+        if run.step is None:
 
             def step(model: Any, optimizer: Any, x: Any, y: Any) -> Any:
                 loss, grads = nnx.value_and_grad(

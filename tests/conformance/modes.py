@@ -29,6 +29,9 @@ class Mode:
         backend: ``KERAS_BACKEND`` of the child process it runs in; None: in the test process.
         excluded: Scenarios it cannot run, each with the reason.
         xfail: Scenarios it fails because of a known adapter bug, each with the bug.
+        slow: Run in CI's slow step only (``-m slow``), to keep the fast run near 90 s on two
+            cores: the modes that trace or compile again for every scenario's new model, or
+            start a process of their own. The fast run keeps one mode of each adapter.
     """
 
     id: str
@@ -37,6 +40,7 @@ class Mode:
     backend: str | None = None
     excluded: Mapping[str, str] = field(default_factory=dict)
     xfail: Mapping[str, str] = field(default_factory=dict)
+    slow: bool = False
 
     def build(self) -> Any:
         """A new driver of this mode."""
@@ -46,12 +50,13 @@ class Mode:
 
 MODES: tuple[Mode, ...] = (
     Mode("torch", "drivers:TorchDriver", ("torch",)),
-    Mode("tf-eager", "tf_drivers:TapeDriver", ("tensorflow", "keras")),
+    Mode("tf-eager", "tf_drivers:TapeDriver", ("tensorflow", "keras"), slow=True),
     Mode("tf-function", "tf_drivers:FunctionDriver", ("tensorflow", "keras"),
          xfail={"fail-open-strict": STRICT_WRAPPED.format("autograph's StagingError")}),
-    Mode("keras-fit-tf", "tf_drivers:FitDriver", ("tensorflow", "keras")),
-    Mode("keras-fit-torch", "tf_drivers:FitDriver", ("keras", "torch"), backend="torch"),
-    Mode("keras-fit-jax", "tf_drivers:FitDriver", ("keras", "jax"), backend="jax",
+    Mode("keras-fit-tf", "tf_drivers:FitDriver", ("tensorflow", "keras"), slow=True),
+    Mode("keras-fit-torch", "tf_drivers:FitDriver", ("keras", "torch"), backend="torch",
+         slow=True),
+    Mode("keras-fit-jax", "tf_drivers:FitDriver", ("keras", "jax"), backend="jax", slow=True,
          xfail={"fail-open": "a bug in the host transfer of a Keras-on-JAX step warns twice: "
                              "the internal error, then 'dbg.step() was called again with no "
                              "backward' for the step it emptied",
@@ -59,7 +64,7 @@ MODES: tuple[Mode, ...] = (
                                                           "is raised in a host callback)")}),
     Mode("tf1-session", "tf_drivers:SessionDriver", ("tensorflow",),
          excluded={"optimizer": NO_OPTIMIZER_VIEW}),
-    Mode("jax-eager", "jax_drivers:EagerDriver", ("jax", "flax", "optax")),
+    Mode("jax-eager", "jax_drivers:EagerDriver", ("jax", "flax", "optax"), slow=True),
     Mode("jax-jit", "jax_drivers:JitDriver", ("jax", "flax", "optax")),
     Mode("toy", "drivers:ToyDriver",
          excluded={"optimizer": NO_OPTIMIZER_VIEW + ": the toy reference adapter has only "

@@ -54,7 +54,7 @@ def _cases() -> list[Any]:
     cases = []
     for mode in MODES:
         for name in SCENARIOS:
-            marks: list[Any] = []
+            marks: list[Any] = [pytest.mark.slow] if mode.slow else []
             if name in mode.excluded:
                 marks.append(pytest.mark.skip(reason=f"{mode.id}: {mode.excluded[name]}"))
             if name in mode.xfail:
