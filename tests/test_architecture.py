@@ -86,8 +86,8 @@ def verdicts(stdout: str) -> dict[str, str]:
 def test_the_contracts_hold(tree: Path) -> None:
     result = lint_imports(tree)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 kept, 0 broken" in result.stdout
-    assert len(verdicts(result.stdout)) == 4, result.stdout
+    assert f"{len(contracts())} kept, 0 broken" in result.stdout
+    assert len(verdicts(result.stdout)) == len(contracts()) >= 4, result.stdout
 
 
 @pytest.mark.parametrize(("file", "line", "contract"), [
