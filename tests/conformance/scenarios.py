@@ -90,7 +90,7 @@ def _intervention(driver: Driver, kind: str) -> None:
     for key, prow in _params(driver, frame).items():
         # below the intervention the changed gradient flowed on; above it, nothing changed
         expected = by_hand[key] if key.startswith("l1.") else want[key]
-        assert prow.norm == pytest.approx(_norm(expected), rel=1e-4), key
+        assert prow.norm == pytest.approx(_norm(expected), rel=REL), key
     for name in ("l2", "l3"):
         assert np.isnan(_outputs(frame)[name].pre_norm), name
 

@@ -21,6 +21,8 @@ import pytest
 from modes import BY_ID, MODES, Mode
 from scenarios import SCENARIOS
 
+from graddebug.adapter.capabilities import declared_options
+
 HERE = Path(__file__).resolve().parent
 MARK = "GD-CONFORMANCE "
 
@@ -104,3 +106,42 @@ def test_every_mode_of_the_issue_is_in_the_table() -> None:
         assert set(mode.excluded) <= set(SCENARIOS), mode.id
         assert set(mode.xfail) <= set(SCENARIOS), mode.id
         assert all(reason.strip() for reason in (*mode.excluded.values(), *mode.xfail.values()))
+
+
+NEEDS = {name: "intervene" for name in SCENARIOS if name.startswith("intervene-")}
+"""The ``watch`` option each scenario relies on, where it relies on one."""
+
+IN_PROCESS = [m for m in MODES if m.backend is None]
+
+
+def _adapter_class(mode: Mode) -> type:
+    driver = _driver(mode.id)
+    run = driver.build()
+    with driver.watch(run) as dbg:
+        return type(dbg.adapter)
+
+
+@pytest.mark.parametrize("mode", IN_PROCESS, ids=[m.id for m in IN_PROCESS])
+def test_a_scenario_is_excluded_exactly_where_its_adapter_declares_no_option_for_it(
+        mode: Mode) -> None:
+    missing = _missing(mode)
+    if missing is not None:
+        pytest.skip(f"{mode.id} needs {missing}")
+    declared = declared_options(_adapter_class(mode))
+    assert declared is not None, f"{mode.id}: its adapter declares no watch_options"
+    for name, option in NEEDS.items():
+        assert (name in mode.excluded) == (option not in declared), (mode.id, name, option)
+
+
+EXCLUDED = [pytest.param(m.id, n, id=f"{m.id}-{n}") for m in IN_PROCESS for n in m.excluded]
+
+
+@pytest.mark.parametrize(("mode_id", "name"), EXCLUDED)
+def test_an_excluded_scenario_does_fail_on_its_mode(mode_id: str, name: str) -> None:
+    # An exclusion is a claim about the adapter: the day it holds no more, this test says so
+    # and the scenario joins the suite.
+    missing = _missing(BY_ID[mode_id])
+    if missing is not None:
+        pytest.skip(f"{mode_id} needs {missing}")
+    with pytest.raises(AssertionError):
+        SCENARIOS[name](_driver(mode_id))
