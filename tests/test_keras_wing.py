@@ -139,3 +139,74 @@ def test_a_keras_backend_shares_no_private_member_with_the_adapter_classes_it_bu
             and node.value.id == "self" and private(node.attr)}
     shared = sorted((used | defined_privates(own)) & theirs.keys())
     assert not shared, [f"{name}.{n} is {theirs[n]}'s" for n in shared]
+
+
+def class_index() -> dict[str, list[ast.ClassDef]]:
+    """Every class of the core and the adapters by name (a name may repeat across modules)."""
+    found: dict[str, list[ast.ClassDef]] = {}
+    for folder in (ROOT / "src", ROOT / "adapters"):
+        for file in folder.rglob("*.py"):
+            for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef):
+                    found.setdefault(node.name, []).append(node)
+    return found
+
+
+def base_names(node: ast.ClassDef) -> set[str]:
+    return {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+            if isinstance(b, (ast.Name, ast.Attribute))}
+
+
+def overridden_calls_in_constructors(classes: dict[str, list[ast.ClassDef]]) -> list[str]:
+    """``Base.__init__`` calling ``self.m()`` where a subclass of ``Base`` defines ``m``."""
+    children: dict[str, set[str]] = {}
+    for name, nodes in classes.items():
+        for node in nodes:
+            for base in base_names(node):
+                children.setdefault(base, set()).add(name)
+    offences = []
+    for name, nodes in classes.items():
+        for node in nodes:
+            init = next((f for f in node.body if isinstance(f, ast.FunctionDef)
+                         and f.name == "__init__"), None)
+            if init is None:
+                continue
+            called = {c.func.attr for c in ast.walk(init) if isinstance(c, ast.Call)
+                      and isinstance(c.func, ast.Attribute)
+                      and isinstance(c.func.value, ast.Name) and c.func.value.id == "self"}
+            todo, seen = list(children.get(name, ())), set()
+            while todo:
+                sub = todo.pop()
+                if sub in seen:
+                    continue
+                seen.add(sub)
+                todo += children.get(sub, ())
+                for subnode in classes[sub]:
+                    defined = {f.name for f in subnode.body
+                               if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                    offences += [f"{name}.__init__ calls self.{m}(), which {sub} overrides"
+                                 for m in sorted(called & defined)]
+    return offences
+
+
+def test_no_constructor_calls_a_method_that_a_subclass_overrides():
+    assert overridden_calls_in_constructors(class_index()) == []
+
+
+def test_the_constructor_check_finds_the_pattern_it_forbids():
+    source = textwrap.dedent("""
+        class Parent:
+            def __init__(self):
+                self._resolve()
+            def _resolve(self):
+                pass
+        class Child(Parent):
+            def _resolve(self):
+                pass
+    """)
+    classes: dict[str, list[ast.ClassDef]] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            classes.setdefault(node.name, []).append(node)
+    assert overridden_calls_in_constructors(classes) == [
+        "Parent.__init__ calls self._resolve(), which Child overrides"]
