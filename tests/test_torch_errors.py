@@ -1,8 +1,7 @@
-"""Bad input gets a typed error that names the problem; graddebug's own bugs fail open."""
+"""Bad input gets a typed error that names the problem; graddebug's own bugs fail open (that a
+bug in a hook is an internal_error and one warning, in every adapter: tests/conformance)."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 
@@ -15,13 +14,12 @@ from graddebug import (  # noqa: E402
     ConfigError,
     GradDebugError,
     GradDebugInternalError,
-    GradDebugWarning,
     GradientCountError,
     NoAdapterError,
     UnknownNameError,
     WatcherStateError,
 )
-from torch_models import ResCNN, batches, relu_mlp, train  # noqa: E402
+from torch_models import ResCNN, relu_mlp  # noqa: E402
 
 
 class NotAModel:
@@ -144,24 +142,6 @@ def test_all_errors_share_the_base_class() -> None:
 
 def broken(*args, **kwargs):
     raise ZeroDivisionError("bug inside graddebug")
-
-
-def test_bug_inside_a_hook_fails_open(monkeypatch) -> None:
-    torch.manual_seed(0)
-    base = relu_mlp(depth=3, width=8)
-    plain, watched = copy.deepcopy(base), copy.deepcopy(base)
-    data = batches(3, (4, 32))
-    train(plain, data)
-    monkeypatch.setattr(torch_watching, "_unit_dim", broken)
-    with pytest.warns(GradDebugWarning, match="bug inside graddebug") as warned, \
-            graddebug.watch(watched) as dbg:
-        train(watched, data, dbg)
-    assert len(warned) == 1  # one warning, however many failures
-    found = dbg.findings()
-    assert set(found["issue"]) == {"internal_error"}
-    assert "ZeroDivisionError" in found["message"].iloc[0]
-    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
-        assert torch.equal(a, b)  # training went on, untouched
 
 
 def test_strict_raises_the_bug(monkeypatch) -> None:
