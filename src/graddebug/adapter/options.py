@@ -23,7 +23,9 @@ class WatchOptions:
     """The options of ``graddebug.watch`` (and of :class:`~graddebug.capture.watcher.Watcher`),
     validated by the core and read by the Watcher and its adapter. This docstring is where the
     options are documented; ``watch``, the docs and the callbacks that take watch options
-    point here.
+    point here. Their names are its fields (:data:`WATCH_OPTIONS`); an adapter declares which
+    of :data:`ADAPTER_OPTIONS` it honours, and ``watch`` refuses the others when they are set
+    (:class:`~graddebug.errors.UnsupportedOptionError`).
 
     Attributes:
         params: ``{"W": W, ...}``: tensors (torch) or variables (TF) recorded as parameters,
