@@ -72,14 +72,17 @@ def refuse_options(factory: object, options: WatchOptions, *, model: bool) -> No
     honoured = declared_options(factory)
     if honoured is None:
         return
-    if not model:
+    instead = dict(INSTEAD)
+    if not model and "layers" in honoured:
         honoured = honoured - {"layers"}
+        instead["layers"] = ("no model was given, so there are no layers to select: "
+                             "watch(model, layers=...), or dbg.tap(x, name) the tensors you choose")
     refused = [n for n in options_set(options) if n in ADAPTER_OPTIONS and n not in honoured]
     if not refused:
         return
     cls = factory if isinstance(factory, type) else type(factory)
     name = getattr(factory, "name", "") or cls.__name__
-    why = "; ".join(f"{n}=: {INSTEAD[n]}" for n in refused)
+    why = "; ".join(f"{n}=: {instead[n]}" for n in refused)
     kept = ", ".join(f"{n}=" for n in ADAPTER_OPTIONS if n in honoured) or "none"
     raise UnsupportedOptionError(
         f"watch({', '.join(f'{n}=...' for n in refused)}): the {name} adapter "
