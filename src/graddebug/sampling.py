@@ -29,9 +29,10 @@ __all__ = ["BUDGET", "FLOOR", "MOST", "Sample", "plan", "prime_from", "row_lengt
            "sample_stride"]
 
 BUDGET = 0.005
-"""The fraction of the watched tensors' entries that the samples read, at most, before the
-:data:`FLOOR`: a torch parameter's sample is held in two copies (before and after the step),
-so its buffers hold at most 1% of the parameters' entries."""
+"""The fraction of the watched tensors' entries that the samples read, at most, where the level
+it reaches is above the :data:`FLOOR`. The torch adapter holds a parameter's sample in two
+copies (before and after the optimizer's step), so its buffers hold at most 1% of the
+parameters' entries there."""
 
 MOST = 1024
 """The most entries read from one tensor, which bounds the pages a copy touches in a large
@@ -44,9 +45,9 @@ FLOOR = 256
 entries is read whole, a larger one at a stride that takes at most this many. So a small
 model, whose budget would give each tensor a handful of entries, has no parameter without its
 norms, and none estimated from too few: the relative error of an estimate from ``k`` entries is
-about ``1 / sqrt(2 k)`` for Gaussian-like entries (4.4% at 256; 12% at 32, which made a 4,096-
-entry kernel's weight norm 23% off in a test), and a sample of a few entries that all happen
-to be zero would show a moving tensor as still."""
+about ``1 / sqrt(2 k)`` for Gaussian-like entries (4.4% at 256; 12% at 32, which made the
+weight norm of a kernel of 4,096 entries 23% off in a test), and a sample of a few entries that
+all happen to be zero would show a moving tensor as still."""
 
 
 @dataclass(frozen=True, slots=True)
