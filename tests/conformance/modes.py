@@ -57,11 +57,8 @@ MODES: tuple[Mode, ...] = (
     Mode("keras-fit-torch", "tf_drivers:FitDriver", ("keras", "torch"), backend="torch",
          slow=True),
     Mode("keras-fit-jax", "tf_drivers:FitDriver", ("keras", "jax"), backend="jax", slow=True,
-         xfail={"fail-open": "a bug in the host transfer of a Keras-on-JAX step warns twice: "
-                             "the internal error, then 'dbg.step() was called again with no "
-                             "backward' for the step it emptied",
-                "fail-open-strict": STRICT_WRAPPED.format("jax.errors.JaxRuntimeError (it "
-                                                          "is raised in a host callback)")}),
+         xfail={"fail-open-strict": STRICT_WRAPPED.format(
+             "jax.errors.JaxRuntimeError (it is raised in a host callback)")}),
     Mode("tf1-session", "tf_drivers:SessionDriver", ("tensorflow",),
          excluded={"optimizer": NO_OPTIMIZER_VIEW}),
     Mode("jax-eager", "jax_drivers:EagerDriver", ("jax", "flax", "optax"), slow=True),
