@@ -48,10 +48,13 @@ class Driver:
         mode: The mode's id, as in the test ids.
         weights_read: Which weights a step's ``weight_norm`` is the norm of: ``"before"`` or
             ``"after"`` the optimizer's update of that step.
+        keeps_cause: Whether an exception raised in the training step reaches the caller with
+            its ``__cause__``.
     """
 
     mode = ""
     weights_read = "before"
+    keeps_cause = True
 
     def build(self, variant: str = "mlp", plain: bool = False) -> Any:
         """A fresh model (and optimizer) at the initial weights.

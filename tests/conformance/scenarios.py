@@ -226,4 +226,6 @@ def strict_raises_the_bug(driver: Driver) -> None:
                 driver.watch(run, strict=True) as dbg:
             driver.train(run, dbg, 1)
     assert BUG in str(info.value)
+    if driver.keeps_cause:
+        assert isinstance(info.value.__cause__, ZeroDivisionError), repr(info.value.__cause__)
     assert driver.probe(run) == untouched  # given back on the way out

@@ -150,6 +150,8 @@ class FitDriver(KerasDriver):
     """``model.fit`` with ``dbg.callback()``, one full batch per step, on the process's
     Keras backend."""
 
+    keeps_cause = False  # fit's traceback filter re-raises an error ``from None``
+
     def __init__(self) -> None:
         super().__init__()
         self.backend = self.keras.backend.backend()
