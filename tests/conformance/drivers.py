@@ -50,11 +50,15 @@ class Driver:
             ``"after"`` the optimizer's update of that step.
         keeps_cause: Whether an exception raised in the training step reaches the caller with
             its ``__cause__``.
+        bug_empties_step: Whether the internal :meth:`break_adapter` breaks is one the
+            adapter's close depends on whole (its step is then recorded empty); otherwise it
+            breaks the layer-output rows only, and the parameter rows are still recorded.
     """
 
     mode = ""
     weights_read = "before"
     keeps_cause = True
+    bug_empties_step = False
 
     def build(self, variant: str = "mlp", plain: bool = False) -> Any:
         """A fresh model (and optimizer) at the initial weights.

@@ -158,6 +158,7 @@ class FitDriver(KerasDriver):
         self.mode = {"tensorflow": "keras-fit-tf"}.get(self.backend, f"keras-fit-{self.backend}")
         if self.backend == "torch":
             self.weights_read = "after"
+        self.bug_empties_step = self.backend == "jax"  # as in graddebug_jax
 
     def build(self, variant: str = "mlp", plain: bool = False) -> Any:
         run = super().build(variant, plain)
