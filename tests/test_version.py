@@ -46,11 +46,13 @@ def test_each_distribution_ships_the_licence_and_a_readme(distribution: str) -> 
     assert (folder / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
     assert (folder / project["readme"]).is_file()
     assert project["description"] and project["classifiers"] and project["urls"]
-    # an adapter asks for a core of its own release series
+    # an adapter asks for a core (and the Keras wing, for TF) of its own release series
     major_minor = ".".join(graddebug.__version__.split(".")[:2])
     for requirement in project.get("dependencies", []):
         if requirement.startswith("graddebug"):
-            assert requirement == f"graddebug>={major_minor}"
+            name = requirement.split(">=")[0]
+            assert name in ("graddebug", "graddebug-keras"), requirement
+            assert requirement == f"{name}>={major_minor}"
 
 
 def test_the_changelog_names_the_version_as_its_newest_release() -> None:

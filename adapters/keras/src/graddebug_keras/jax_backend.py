@@ -50,12 +50,10 @@ from graddebug_jax.stats import param_rows
 from graddebug_jax.transport import Parcel
 from graddebug_keras.callbacks import build_callback
 from graddebug_keras.model import LayerIndex as KerasLayers
-from graddebug_keras.model import channels_first
+from graddebug_keras.model import channels_first, reset_compiled
 from graddebug_keras.optimizers import Wrapped, check_keras_optimizer
 
 __all__ = ["KerasJaxAdapter"]
-
-_COMPILED = ("train_function", "test_function", "predict_function")
 
 
 class KerasJaxAdapter(BaseAdapter):
@@ -103,7 +101,7 @@ class KerasJaxAdapter(BaseAdapter):
         optimizer = getattr(self._index.model, "optimizer", None)
         if optimizer is not None:
             self.take_gradients(optimizer)
-        self._reset_compiled()
+        reset_compiled(self._index.model)
 
     def detach(self) -> None:
         """Unwrap the layers and optimizers; drop the compiled functions that hold the
@@ -112,7 +110,7 @@ class KerasJaxAdapter(BaseAdapter):
         while self._wrapped:
             self._wrapped.pop().restore()
         self._optimizers.clear()
-        self._reset_compiled()
+        reset_compiled(self._index.model)
         self._recorder.reset()
         self._loss = None
 
@@ -124,7 +122,8 @@ class KerasJaxAdapter(BaseAdapter):
             GradientCountError: ``grads`` does not match the trainable variables.
         """
         if self._recorder.settle():
-            self._reset_compiled()  # the next fit traces again, its sinks sending themselves
+            # the next fit traces again, its sinks sending themselves
+            reset_compiled(self._index.model)
         if not record:
             return self._recorder.skip()
         if grads is not None:
@@ -211,7 +210,7 @@ class KerasJaxAdapter(BaseAdapter):
 
         Args:
             **options: ``stop_on=``, ``log=`` and ``every_tensor=`` of
-                :class:`graddebug_keras.callback.KerasCallback`.
+                :class:`graddebug_keras.callbacks.GradDebugCallback`.
 
         Raises:
             ConfigError: An option that is not the callback's.
@@ -225,7 +224,7 @@ class KerasJaxAdapter(BaseAdapter):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not any(o is optimizer for o in self._optimizers):
             self.take_gradients(optimizer)
-            self._reset_compiled()
+            reset_compiled(self._index.model)
 
     def _wrap_call(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         layer = self._layers[name]
@@ -368,12 +367,6 @@ class KerasJaxAdapter(BaseAdapter):
         """Every layer name of the model, watched or not (for suggestions)."""
         return [*self._index.named, self._index.root]
 
-    def _reset_compiled(self) -> None:
-        """Drop the functions Keras compiled, so that the next call traces again."""
-        model = self._index.model
-        for attr in _COMPILED:
-            if getattr(model, attr, None) is not None:
-                setattr(model, attr, None)
 
 
 def _kept(loss: jax.Array, post: Callable[[Any], None]) -> jax.Array:
