@@ -56,7 +56,7 @@ def main() -> dict[str, Any]:
         optimizer.update(model, grads)
         return loss
 
-    with graddebug.watch(model, optimizer=tx) as dbg:
+    with graddebug.watch(model, optimizer=optimizer) as dbg:
         for _ in range(3):
             dbg.step(loss=train_step(model, optimizer, x, y))
     findings = dbg.findings()

@@ -52,7 +52,7 @@ def train(model: Stack, steps: int = 5) -> graddebug.Watcher:
         optimizer.update(model, grads)
         return loss
 
-    with graddebug.watch(model, optimizer=tx) as dbg:
+    with graddebug.watch(model, optimizer=optimizer) as dbg:
         for _ in range(steps):
             dbg.step(loss=train_step(model, optimizer))
     return dbg
