@@ -36,7 +36,7 @@ from flax import nnx
 from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
 from graddebug.adapter.protocol import GradientSource, TrainStep
 from graddebug.capture.layers import Intervention, LayerSpec
-from graddebug.errors import ConfigError, GradDebugError, GradientCountError
+from graddebug.errors import ConfigError, GradientCountError
 from graddebug_jax.closing import given_rows
 from graddebug_jax.model import ModelIndex, patch_calls, path_name
 from graddebug_jax.recorder import Recorder
@@ -243,13 +243,12 @@ class JaxAdapter(BaseAdapter):
     def _captured(self, name: str, layer: LayerSpec, call: Callable[..., Any],
                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``call`` with its inputs probed and its floating outputs watched (fail-open)."""
-        try:
-            args, flags = self._recorder.probe_args(args)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: run the module untouched
-            self._ctx.internal_error(exc, name)
+        probed = None
+        with self._fail_open(name):  # a bug here runs the module untouched
+            probed = self._recorder.probe_args(args)
+        if probed is None:
             return call(*args, **kwargs)
+        args, flags = probed
         out = call(*args, **kwargs)
         with self._fail_open(name):
             if layer.depth < 0:

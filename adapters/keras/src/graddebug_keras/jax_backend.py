@@ -42,7 +42,7 @@ import numpy as np
 from graddebug.adapter import BaseAdapter, StepResult, WatchContext, WatchOptions
 from graddebug.adapter.protocol import GradientSource, TrainingCallback, TrainStep
 from graddebug.capture.layers import Intervention, LayerSpec
-from graddebug.errors import ConfigError, GradDebugError, GradientCountError
+from graddebug.errors import ConfigError, GradientCountError
 from graddebug_jax.closing import given_rows
 from graddebug_jax.model import floating_leaves
 from graddebug_jax.recorder import Recorder
@@ -231,13 +231,12 @@ class KerasJaxAdapter(BaseAdapter):
 
         def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
             def watched(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    args, flags = self._recorder.probe_args(args)
-                except GradDebugError:
-                    raise
-                except Exception as exc:  # fail-open: run the layer untouched
-                    self._ctx.internal_error(exc, name)
+                probed = None
+                with self._fail_open(name):  # a bug here runs the layer untouched
+                    probed = self._recorder.probe_args(args)
+                if probed is None:
                     return call(*args, **kwargs)
+                args, flags = probed
                 out = call(*args, **kwargs)
                 with self._fail_open(name):
                     return self._watch_output(layer, out, any(f[0] for f in flags))
