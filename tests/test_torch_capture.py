@@ -86,26 +86,6 @@ def test_activation_gradients_equal_autograd_grad(kind: str) -> None:
         assert row["numel"] == flat.size
 
 
-def test_parameter_gradients_equal_p_grad() -> None:
-    torch.manual_seed(0)
-    model = relu_mlp(depth=3, width=8)
-    x = torch.randn(5, 32)
-    with graddebug.watch(model, param_stats="full") as dbg:
-        model(x).square().mean().backward()
-        dbg.step()
-    frame = dbg.frame()
-    params = frame[frame["kind"] == "parameter"].set_index(["layer", "tensor"])
-    assert len(params) == len(list(model.parameters()))
-    for name, p in model.named_parameters():
-        layer, _, short = name.rpartition(".")
-        g = p.grad.double().numpy().ravel()
-        row = params.loc[(layer, short)]
-        assert row["norm"] == pytest.approx(np.linalg.norm(g), rel=1e-5)
-        assert row["mean"] == pytest.approx(g.mean(), rel=1e-4, abs=1e-9)
-        assert row["std"] == pytest.approx(g.std(), rel=1e-3, abs=1e-9)
-        assert row["absmax"] == pytest.approx(np.abs(g).max(), rel=1e-6)
-
-
 def test_frame_columns_follow_the_contract() -> None:
     model = relu_mlp(depth=2, width=4)
     with graddebug.watch(model) as dbg:
