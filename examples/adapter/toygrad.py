@@ -30,7 +30,7 @@ import graddebug
 from graddebug.adapter import BaseAdapter, StepClock, StepResult, WatchContext, WatchOptions
 from graddebug.capture.layers import Intervention, LayerSpec, intervene_fail_open, select_layers
 from graddebug.errors import ConfigError, GradientCountError
-from graddebug.records import Event, EventKind, Kind, Record, sums_record
+from graddebug.records import WEIGHTED_DETAIL, Event, EventKind, Kind, Record, sums_record
 
 if TYPE_CHECKING:
     from graddebug.adapter import AdapterFactory
@@ -347,6 +347,8 @@ class ToyAdapter(BaseAdapter):
         self._step_handles: list[Handle] = []  # output hooks, removed when the step closes
         self._was_training: bool | None = None
         self._captures: dict[str, _Capture] = {}
+        self._expected: dict[str, int] = {}  # outputs hooked this step: name -> depth
+        self._lost: set[str] = set()  # outputs whose capture a bug broke this step
         self._events: list[Event] = []
         self._kept: dict[str, np.ndarray] = {}
         self._touched = False
@@ -356,7 +358,9 @@ class ToyAdapter(BaseAdapter):
             selected = ({n: m for n, m in self._named.items() if not m.children()}
                         if options.layers is None else
                         select_layers(self._named, options.layers, noun="module", owner=owner))
-            self._modules = self._add_layers(self._named, selected, lambda m: False)
+            # every toygrad module with parameters of its own is an affine map
+            self._modules = self._add_layers(self._named, selected, lambda m: False,
+                                             weighted=lambda m: bool(m.own_parameters()))
             self._params = [(self._layers[n], short, p) for n, m in self._modules.items()
                             for short, p in m.own_parameters().items()]
         for key, var in (params or {}).items():
@@ -410,7 +414,11 @@ class ToyAdapter(BaseAdapter):
                                      f"{len(self._params)} watched parameters.")
         result = StepResult()
         if record:
-            result.records = [c.record(step, self._layers[n]) for n, c in self._captures.items()]
+            result.records = [c.record(step, self._layers[n]) for n, c in self._captures.items()
+                              if n not in self._lost]
+            self._events += [Event(step, name, "output", depth, EventKind.UNREACHED.value)
+                             for name, depth in self._expected.items()
+                             if name not in self._captures and name not in self._lost]
             full = self._options.param_stats == "full"
             for i, (layer, short, p) in enumerate(self._params):
                 g = p.grad if grads is None else np.asarray(grads[i], dtype=np.float64)
@@ -448,6 +456,18 @@ class ToyAdapter(BaseAdapter):
     def _on_forward(self, layer: LayerSpec, module: Module, x: Var, out: Var) -> None:
         with self._fail_open(layer.name):
             self._watch(layer, out, cut=x.requires_grad)
+            if self._ctx.recording and layer.check_forward:
+                self._check_forward(layer, out)
+
+    def _check_forward(self, layer: LayerSpec, out: Var) -> None:
+        """A ``forward_nonfinite`` event where ``out`` holds NaN or Inf: the nonfinite
+        diagnosis names the first such layer in forward order as where the NaN was born."""
+        if np.isfinite(out.value).all():
+            return
+        detail = "NaN" if np.isnan(out.value).any() else "Inf"
+        self._events.append(Event(self._ctx.step_index, layer.name, "output", layer.depth,
+                                  EventKind.FORWARD_NONFINITE.value,
+                                  detail + (WEIGHTED_DETAIL if layer.weighted else "")))
 
     def _watch(self, layer: LayerSpec, out: Var, cut: bool = True) -> None:
         """Hook ``out``; without a gradient to receive, it is a cut when ``cut``."""
@@ -464,15 +484,21 @@ class ToyAdapter(BaseAdapter):
         elif (layer.capture and self._ctx.recording) or (spec is not None and spec.active):
             hook = functools.partial(self._on_grad, layer)
             self._step_handles.append(out.register_hook(hook))
+            if layer.capture and self._ctx.recording:
+                self._expected[layer.name] = layer.depth
 
     def _on_grad(self, layer: LayerSpec, grad: np.ndarray) -> np.ndarray | None:
         spec, new = layer.intervention, None
         if spec is not None and spec.active:  # interventions act on every step
             new = intervene_fail_open(spec, layer.name, grad, _apply, _fits,
                                       self._ctx.internal_error)
-        if layer.capture and self._ctx.recording:
+        if layer.capture and self._ctx.recording and layer.name not in self._lost:
+            recorded = False
             with self._fail_open(layer.name):
                 self._record(layer, grad, new)
+                recorded = True
+            if not recorded:  # its sums may be half-added: no row rather than a wrong one
+                self._lost.add(layer.name)
         return new
 
     def _record(self, layer: LayerSpec, grad: np.ndarray, new: np.ndarray | None) -> None:
@@ -492,6 +518,7 @@ class ToyAdapter(BaseAdapter):
         for handle in self._step_handles:
             handle.remove()
         self._step_handles, self._captures, self._events, self._kept = [], {}, [], {}
+        self._expected, self._lost = {}, set()
         self._touched = False
 
 

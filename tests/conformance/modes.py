@@ -65,15 +65,7 @@ MODES: tuple[Mode, ...] = (
     Mode("jax-jit", "jax_drivers:JitDriver", ("jax", "flax", "optax")),
     Mode("toy", "drivers:ToyDriver",
          excluded={"optimizer": NO_OPTIMIZER_VIEW + ": the toy reference adapter has only "
-                                                    "the StepClock capability"},
-         xfail={"cut": "the toy adapter reports a cut only where a layer's output needs no "
-                       "gradient; l2 cuts its own input and its output still needs one (its "
-                       "weights), so only l1's parameters are named, not the boundary",
-                "nan": "the toy adapter makes no finiteness check of layer outputs in the "
-                       "forward pass, so the NaN is found first at l3 in the backward pass",
-                "fail-open": "a bug in _Capture.add leaves the half-built capture in place, "
-                             "and the close still records a row for each layer from it: "
-                             "numel 0 and norm 0.0, a wrong number where none is known"}),
+                                                    "the StepClock capability"}),
 )
 
 BY_ID = {mode.id: mode for mode in MODES}
