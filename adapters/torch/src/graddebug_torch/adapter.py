@@ -164,12 +164,26 @@ class TorchAdapter(BaseAdapter):
                            else "params")
         if self._model is not None:
             self._was_training = self._model.training
-        parking = self._parking
         # A compiled model traces the root module's hooks into its graph, and a graph must
         # serve the next Watcher too: the collector is left alone in its forward pass. Dynamo
         # guards on the module hooks, so none is removed while the watch lasts either.
         target = self._model if self._model is not None else self._root
         runs_compiled = target is not None and compiled(target)
+        self._hook_modules(runs_compiled)
+        self._hook_root(runs_compiled)
+        self._scaling.attach()
+        self._ops.attach()
+        self._updates.attach()
+        self._clips.attach()
+        # A compiled graph keeps the hooks it was traced with, so hooks parked while dynamo
+        # traces would be missing from it on recorded steps too; op capture hooks the root.
+        self._parks = self._options.every > 1 and not runs_compiled and not self._ops.enabled
+        self._park_for(self._ctx.step_index)
+
+    def _hook_modules(self, runs_compiled: bool) -> None:
+        """One forward hook per watched module (and its value-flow hooks), one post-accumulate
+        hook per watched parameter."""
+        parking = self._parking
         for name, module in self._modules.items():
             layer = self._layers[name]
             hook = module.register_forward_hook(functools.partial(self._watch.on_forward, layer))
@@ -187,6 +201,11 @@ class TorchAdapter(BaseAdapter):
             if param.param.requires_grad:
                 self._handles.append(param.param.register_post_accumulate_grad_hook(
                     functools.partial(self._watch.on_param_grad, index)))
+
+    def _hook_root(self, runs_compiled: bool) -> None:
+        """The root module's hooks: the model's input check, and the collector that pauses the
+        garbage collector over a forward pass that makes graddebug's per-output objects."""
+        parking = self._parking
         # Only graddebug's per-output objects (and op capture's) are worth pausing it for.
         outputs = any(self._layers[n].capture for n in self._modules)
         makes_objects = self._ops.enabled or outputs
@@ -203,14 +222,6 @@ class TorchAdapter(BaseAdapter):
                                                           always_call=True)]
             self._handles += collector
             parking.add(self._root, collector)
-        self._scaling.attach()
-        self._ops.attach()
-        self._updates.attach()
-        self._clips.attach()
-        # A compiled graph keeps the hooks it was traced with, so hooks parked while dynamo
-        # traces would be missing from it on recorded steps too; op capture hooks the root.
-        self._parks = self._options.every > 1 and not runs_compiled and not self._ops.enabled
-        self._park_for(self._ctx.step_index)
 
     def follow_optimizer(self, optimizer: Any, on_step: Callable[[], None]) -> None:
         """Call ``on_step`` after each ``optimizer.step()`` (a step post-hook, removed on
