@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import tensorflow as tf
 
-from graddebug.errors import GradDebugError
+from graddebug.capture.layers import FailOpen
 
 if TYPE_CHECKING:
     from graddebug.adapter import WatchContext
@@ -96,9 +96,5 @@ class SessionHook(tf.compat.v1.train.SessionRunHook):
 
     def after_run(self, run_context: Any, run_values: Any) -> None:
         """Close the step with what the ``run`` fetched."""
-        try:
+        with FailOpen(self._ctx.internal_error, "session_hook"):  # the run has happened
             self._ctx.watcher.step(run_values.results)
-        except GradDebugError:
-            raise
-        except Exception as exc:  # fail-open: the user's run has already happened
-            self._ctx.internal_error(exc, "session_hook")

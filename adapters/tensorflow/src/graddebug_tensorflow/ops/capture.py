@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from graddebug.capture.layers import LayerSpec
+from graddebug.capture.layers import FailOpen, LayerSpec
 from graddebug.records import Event, EventKind
 from graddebug_tensorflow.ops.flow import CHECK_SCOPE, Cut, cut_cause, judge
 from graddebug_tensorflow.ops.sites import Site, user_source
@@ -172,10 +172,8 @@ class OpCapture:
         """The op callback: every op a trace creates while it is registered (fail-open)."""
         if graph is None or self._own or self._removed or not outputs:
             return None
-        try:
+        with FailOpen(self._on_bug, f"ops ({op_type})"):  # the op stays unchecked
             self._trace(op_type, list(inputs), attrs, list(outputs), graph)
-        except Exception as exc:  # fail-open: the op stays unchecked, the trace goes on
-            self._on_bug(exc, f"ops ({op_type})")
         return None
 
     def _trace(self, op_type: str, inputs: list[Any], attrs: Any, outputs: list[Any],
