@@ -132,7 +132,7 @@ def find_adapter(pm: pluggy.PluginManager, target: object) -> AdapterFactory:
     elif missing:
         lines.append("Adapters that are not installed: " + "; ".join(missing) + ".")
     lines.append(
-        "Pass a model (torch.nn.Module, keras.Model), params={name: tensor}, "
-        "or use watch() with tap(tensor, name)."
+        "Pass a model (a torch.nn.Module, a Keras model, a Flax NNX module), "
+        "params={name: tensor}, or use watch() with tap(tensor, name)."
     )
     raise NoAdapterError("\n".join(lines))
