@@ -52,6 +52,9 @@ _PARAMETER, _ACTIVATION = Kind.PARAMETER.value, Kind.ACTIVATION.value
 STALL_MARGIN = 1e3
 """The other layers count as learning, for the ``stalled`` floor, when their median
 update/weight ratio is at least this many times the floor."""
+STALL_SLACK = 10.0
+"""A stall is the optimizer's only where its update is this many times below what its own rule
+(the median update per unit of gradient) makes, and that rule clears this many floors."""
 
 
 class History:
@@ -360,6 +363,11 @@ class History:
         if median_of(ratio[learning]) < t.stall_floor * STALL_MARGIN:
             return []
         fresh = _where(frozen & ~self._frozen[ids])
+        # An update that small because the gradient is (a vanishing layer, a bias before a
+        # normalisation) is the gradient's own finding, or none: not the optimizer's fault.
+        rule = median_of(rows.update_norm[learning] / rows.norm[learning]) * rows.norm[fresh]
+        fresh = fresh[(rows.update_norm[fresh] * STALL_SLACK < rule)
+                      & (rule > rows.weight_norm[fresh] * t.stall_floor * STALL_SLACK)]
         if not len(fresh):
             return []
         self._frozen[ids[fresh]] = True
