@@ -32,6 +32,7 @@ from graddebug.errors import (
     MissingFrameworkError,
     NoAdapterError,
     UnknownNameError,
+    UnsupportedOptionError,
     WatcherStateError,
 )
 from graddebug.hookspecs import hookimpl
@@ -92,6 +93,7 @@ __all__ = [
     "Severity",
     "Thresholds",
     "UnknownNameError",
+    "UnsupportedOptionError",
     "Watcher",
     "WatcherStateError",
     "__version__",
