@@ -19,7 +19,14 @@ def graddebug_adapter(target: object) -> AdapterFactory | None:
     layer or model on the torch backend (a ``torch.nn.Module`` too) is left to the Keras
     adapter (graddebug-keras), whose callback and names are Keras's."""
     torch = sys.modules.get("torch")
-    if torch is None or not isinstance(target, (torch.nn.Module, torch.Tensor)):
+    if torch is None:
+        return None
+    if "torch.distributed.pipelining.schedules" in sys.modules:
+        from graddebug_torch.pipeline import PipelineAdapter, is_schedule
+
+        if is_schedule(target):
+            return PipelineAdapter
+    if not isinstance(target, (torch.nn.Module, torch.Tensor)):
         return None
     if _keras_layer(target):
         return None
