@@ -41,6 +41,7 @@ which would act on one micro-batch's gradient rather than the global batch's.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -202,17 +203,33 @@ class PipelineAdapter(TorchAdapter):
         factor = 1.0
         if getattr(schedule, "scale_grads", True):
             factor = 1.0 / int(schedule._n_microbatches)
+        first = _splits_first_dim(schedule)
+        result.records = [r if r.kind == _PARAMETER else _global(r, factor, first)
+                          for r in result.records]
         if factor != 1.0:
-            result.records = [r if r.kind == _PARAMETER else _scaled(r, factor)
-                              for r in result.records]
             owned = {keep_label(p.layer, p.tensor) for p in self._params}
             result.kept = {label: array if label in owned else array * factor
                            for label, array in result.kept.items()}
         return result
 
 
-def _scaled(record: Record, factor: float) -> Record:
-    """``record`` with its gradient's values multiplied by ``factor``."""
-    return record._replace(norm=record.norm * factor, mean=record.mean * factor,
+def _splits_first_dim(schedule: Any) -> bool:
+    """Whether the schedule splits its inputs into micro-batches along their first dimension
+    (its default chunking), so that the outputs' micro-batches do too."""
+    specs = getattr(schedule, "_args_chunk_spec", None)
+    return specs is None or all(getattr(s, "split_dim", None) == 0 for s in specs)
+
+
+def _global(record: Record, factor: float, first: bool) -> Record:
+    """The row of an output pooled over the micro-batches: its gradient's values multiplied
+    by ``factor``, and, where the micro-batches split the first dimension (``first``), its
+    shape the global batch's rather than the first micro-batch's."""
+    shape = record.shape
+    dims = [int(d) for d in shape.strip("()").split(",") if d.strip()]
+    rest = math.prod(dims[1:])
+    if (first and dims and rest and record.numel != rest * dims[0]
+            and record.numel % rest == 0):
+        shape = str((record.numel // rest, *dims[1:]))
+    return record._replace(shape=shape, norm=record.norm * factor, mean=record.mean * factor,
                            std=record.std * factor, absmax=record.absmax * factor,
                            pre_norm=record.pre_norm * factor)
