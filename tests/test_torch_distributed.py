@@ -683,20 +683,19 @@ def test_sharded_nonfinite_gradients_are_flagged(group: None) -> None:
 
 def test_sharded_failures_fail_open_and_strict_raises(group: None,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import graddebug_torch.distributed as distributed
+    import graddebug_torch.closing as closing
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("boom")
 
     model = _fully_shard(net(), _dtensor_param(torch.zeros(1))[1])
     x, y = global_batch(0)
-    monkeypatch.setattr(distributed, "_local_slice", broken)
+    monkeypatch.setattr(closing, "local_slice", broken)
     warns = pytest.warns(graddebug.GradDebugWarning, match="boom")
     with warns, graddebug.watch(model) as dbg:
         loss_fn(model(x), y).backward()
         assert dbg.step() is not None
     assert len(param_rows(dbg.frame())) == 0  # no parameter row rather than a wrong one
-    assert (dbg.frame()["kind"] == "activation").sum() == len(LEAVES)
     assert set(dbg.findings()["issue"]) == {"internal_error"}
 
     raises = pytest.raises(GradDebugInternalError, match="boom")
@@ -704,16 +703,6 @@ def test_sharded_failures_fail_open_and_strict_raises(group: None,
         model.zero_grad()
         loss_fn(model(x), y).backward()
         dbg.step()
-
-    monkeypatch.undo()
-    monkeypatch.setattr(dist, "all_reduce", broken)  # the collective itself fails
-    warns = pytest.warns(graddebug.GradDebugWarning, match="boom")
-    with warns, graddebug.watch(model) as dbg:
-        model.zero_grad()
-        loss_fn(model(x), y).backward()
-        dbg.step()
-    assert set(dbg.findings()["issue"]) == {"internal_error"}
-    assert (dbg.frame()["kind"] == "activation").sum() == 0  # the step is lost, not the run
 
 
 class Gained(Net):

@@ -113,6 +113,10 @@ class StepResult:
     records: list[Record] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     kept: dict[str, np.ndarray] = field(default_factory=dict)
+    shared: bool = False
+    """The records combine every rank already (:mod:`graddebug.adapter.ranks`): each carries
+    its own ``rank``, every rank holds the same, and only rank 0 writes them to a run's
+    files."""
     diagnose: Callable[[], pd.DataFrame] | None = field(default=None, repr=False,
                                                         compare=False)
     """Set by the Watcher on the steps it returns: what :attr:`findings` calls. Adapters leave

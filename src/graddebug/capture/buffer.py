@@ -112,6 +112,9 @@ class RunBuffer:
         self.log = RunWriter(log_dir, flush_every=flush_every) if log_dir is not None else None
         self._flushed_internal = 0
         self._cache: dict[str, pd.DataFrame] = {}
+        self._shared: list[tuple[Any, ...]] = []
+        """With ``log_dir``, on a rank other than 0: the rows that combine every rank, which
+        rank 0 writes; kept here for this process's frames."""
         self.distribution = Distribution()
 
     @property
@@ -126,9 +129,14 @@ class RunBuffer:
         records, events = result.records, result.events
         rank = self.distribution.rank
         if rank:  # adapters build rows for rank 0; each process knows its own rank
-            records = [r._replace(rank=rank) for r in records]
+            if not result.shared:
+                records = [r._replace(rank=rank) for r in records]
             events = [e._replace(rank=rank) for e in events]
-        self.records.extend(map(tuple, _in_order(records)))
+        if result.shared and rank and self.log is not None:
+            # Rows every rank holds alike: rank 0 writes them, the others keep them.
+            self._shared.extend(map(tuple, _in_order(records)))
+        else:
+            self.records.extend(map(tuple, _in_order(records)))
         self.events.extend(events)
         if result.kept:
             self.kept.add(step, result.kept)
@@ -247,8 +255,8 @@ class RunBuffer:
 
     def _read(self) -> None:
         if self.log is not None:
-            self._cache["frame"], self._cache["events"] = self.log.read(self.records,
-                                                                        self.events)
+            self._cache["frame"], self._cache["events"] = self.log.read(
+                self._shared + self.records if self._shared else self.records, self.events)
         else:
             self._cache["frame"] = record_frame(self.records)
             self._cache["events"] = event_frame(self.events)

@@ -26,7 +26,7 @@ from graddebug.records import Event, EventKind
 from graddebug_torch.clipping import UserClips
 from graddebug_torch.closing import gather
 from graddebug_torch.compiled import NO_FORWARD_WARNING, run_eagerly, tracing
-from graddebug_torch.distributed import ShardedMarks, distribution, reduce_sharded
+from graddebug_torch.distributed import ShardedMarks, distribution
 from graddebug_torch.guards import ModuleOwners, check_mask_device, in_functorch_transform
 from graddebug_torch.model import ModelIndex, ModuleIndex
 from graddebug_torch.ops import OpCapture
@@ -41,6 +41,7 @@ from graddebug_torch.params import (
 )
 from graddebug_torch.parking import HookParking
 from graddebug_torch.scaling import LossScaling
+from graddebug_torch.sharding import RankRows
 from graddebug_torch.updates import UpdateWatch
 from graddebug_torch.valueflow import needs_value_flow, never_cuts
 from graddebug_torch.watching import OutputWatch
@@ -126,6 +127,7 @@ class TorchAdapter(BaseAdapter):
         self._updates = UpdateWatch(context, self._params, options.every,
                                     self._fail_open("optimizer step"))
         self._clips = UserClips(context, self._params, lambda: self._watch.state.received)
+        self._ranks: RankRows | None = None  # several ranks: their rows combined
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -175,6 +177,11 @@ class TorchAdapter(BaseAdapter):
         self._ops.attach()
         self._updates.attach()
         self._clips.attach()
+        world = distribution().world_size
+        if world > 1:
+            self._ranks = RankRows(world, lambda name: name in self._layers and self._layers[
+                name].channels_first, self._ctx.warn_once)
+            self._watch.layouts = self._ranks.layouts
         # A compiled graph keeps the hooks it was traced with, so hooks parked while dynamo
         # traces would be missing from it on recorded steps too; op capture hooks the root.
         self._parks = self._options.every > 1 and not runs_compiled and not self._ops.enabled
@@ -347,9 +354,10 @@ class TorchAdapter(BaseAdapter):
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Turn the step's captures into records with one host transfer, then reset.
 
-        Sharded parameters (FSDP2) add one collective over every rank, before anything else
-        that could fail on one rank only. A bug in here becomes an ``internal_error`` finding
-        and an empty step; a wrong ``grads`` list (the user's mistake) raises.
+        Several ranks combine their rows with one collective (:class:`RankRows`), which every
+        rank makes even where its own close failed. A bug in here becomes an
+        ``internal_error`` finding and an empty step; a wrong ``grads`` list (the user's
+        mistake) raises.
         """
         rows: list[ParamRow] = []
         watch = self._watch
@@ -362,19 +370,25 @@ class TorchAdapter(BaseAdapter):
                 self._ctx.warn_once("no-forward", NO_FORWARD_WARNING.format(step=step))
             rows = param_rows(self._params, state.received, grads, self._param_depth)
             full = self._options.param_stats == "full"
+            # While an exception unwinds (the with block closing the step of a crashed rank)
+            # the other ranks may never reach a collective: only whole rows are kept.
+            unwinding = sys.exc_info()[0] is not None
+            result = None
             with self._fail_open("step"):
-                # While an exception unwinds (the with block closing the step of a crashed
-                # rank) the other ranks may never reach the collective: sharded rows are left
-                # out rather than wait for them.
-                unwinding = sys.exc_info()[0] is not None
-                sharded = None if unwinding else reduce_sharded(
-                    [r.grad for r in rows if r.sharded], full, self._ctx.internal_error)
                 depths = {name: layer.depth for name, layer in self._layers.items()}
                 scale = self._scaling.read()  # queued before the step's sync, read after it
-                return self._clips.restore(self._ops.close(scale.unscale(step, gather(
+                result = self._clips.restore(self._ops.close(scale.unscale(step, gather(
                     step, state, rows, depths, full=full, staging=watch.staging,
-                    sharded=sharded, on_bug=self._ctx.internal_error, weights=self._updates))))
-            return StepResult(events=list(state.events))
+                    whole_kept=not unwinding, weights=self._updates))))
+            ranks = self._ranks
+            if ranks is not None:
+                with self._fail_open("ranks"):
+                    if not unwinding:
+                        return ranks.combine(step, result, rows)
+                    if result is not None:
+                        return ranks.local(result, rows)
+                return StepResult(events=list(state.events))
+            return result if result is not None else StepResult(events=list(state.events))
         finally:
             release_rows(rows)
             self._updates.closed()

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from graddebug.records import WEIGHTED_DETAIL, Event
+from graddebug_torch.distributed import is_sharded
 from graddebug_torch.staging import SmallGrads, StagedGroup
 from graddebug_torch.stats import DotSums, finiteness, stack_scalars
 
@@ -201,7 +202,10 @@ class ForwardChecks:
 
     def check(self, key: Key, depth: int, tensor: Tensor, weighted: bool = False) -> None:
         """Add the check of output ``key``, a floating ``tensor``; ``weighted`` for the output
-        of a weighted layer (:attr:`~graddebug.capture.layers.LayerSpec.weighted`)."""
+        of a weighted layer (:attr:`~graddebug.capture.layers.LayerSpec.weighted`). A
+        ``DTensor`` is checked on this rank's slice."""
+        if is_sharded(tensor):
+            tensor = tensor.to_local()  # type: ignore[attr-defined]
         if weighted and tensor.dtype != torch.float16:
             # float16 overflows into +Inf and -Inf, whose sum is NaN: no evidence there.
             self._weighted.add(len(self.keys))

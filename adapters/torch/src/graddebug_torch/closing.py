@@ -27,7 +27,7 @@ from graddebug_torch.captures import (
     kept_array,
     shape_text,
 )
-from graddebug_torch.distributed import GlobalStats, OnBug, nonfinite_flags, row_values, whole
+from graddebug_torch.distributed import local_slice, whole
 from graddebug_torch.params import ParamRow
 from graddebug_torch.rows import activation_row, param_record
 from graddebug_torch.staging import GroupStats, SmallGrads, StagedGroup
@@ -88,8 +88,8 @@ class _Source(Protocol):
 
 
 def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: dict[str, int],
-           full: bool, staging: SmallGrads | None = None, sharded: GlobalStats | None = None,
-           on_bug: OnBug | None = None, weights: UpdateWatch | None = None) -> StepResult:
+           full: bool, staging: SmallGrads | None = None, whole_kept: bool = True,
+           weights: UpdateWatch | None = None) -> StepResult:
     """Turn one step's captures and parameter gradients into records and events.
 
     Args:
@@ -99,10 +99,8 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
         depths: Forward-order depth of each layer and tap name.
         full: Also compute mean and absmax of parameter gradients.
         staging: Where the hooks staged small gradients (reduced here, in one pass a shape).
-        sharded: The whole-gradient statistics of the ``sharded`` rows of ``params``, in
-            their order (:func:`graddebug_torch.distributed.reduce_sharded`); None leaves
-            those rows out.
-        on_bug: Where a failure to look at a sharded gradient's slice goes.
+        whole_kept: ``keep=`` of a sharded parameter gathers its whole gradient (a
+            collective); False leaves it out (a rank unwinding an exception).
         weights: The parameters' weight and update norms (``weight_norm``, ``update_norm``);
             None leaves them NaN.
 
@@ -114,7 +112,7 @@ def gather(step: int, state: StepCaptures, params: Sequence[ParamRow], depths: d
         # No backward ran in this step; what forward saw (a tap cut from the graph) stands.
         return StepResult(events=list(state.events))
     activations = _Activations(state, staging, depths)
-    parameters = _Parameters(params, present, full, sharded, on_bug or _ignore, weights)
+    parameters = _Parameters(params, present, full, whole_kept, weights)
     sources: tuple[_Source, ...] = (
         activations, parameters, _ForwardReads(state.forward, EventKind.FORWARD_NONFINITE),
         _ForwardReads(state.inputs, EventKind.INPUT_NONFINITE),
@@ -277,88 +275,59 @@ class _Activations:
 
 class _Parameters:
     """The watched parameters' gradients: their norms in one fused pass (a batched one per
-    group of small ones), the sum and ``absmax`` too with ``full``. Sharded ones were combined
-    over the ranks already (:class:`~graddebug_torch.distributed.GlobalStats`). The weights'
-    and the updates' norms come from ``weights``.
+    group of small ones), the sum and ``absmax`` too with ``full``. A sharded gradient
+    (``DTensor``) is measured on this rank's slice, which the ranks' rows combine into the
+    whole (:mod:`graddebug.adapter.ranks`). The weights' and the updates' norms come from
+    ``weights``.
 
     Args:
         params: Every watched parameter that requires a gradient.
         present: Those that got one.
         full: Also measure the sum and ``absmax``.
-        sharded: The sharded rows' combined statistics, or None to leave them out.
-        on_bug: Where a failure to look at a sharded gradient's slice goes.
+        whole_kept: ``keep=`` of a sharded parameter may gather its whole gradient.
         weights: Where the weight and update norms come from, or None.
     """
 
     def __init__(self, params: Sequence[ParamRow], present: list[ParamRow], full: bool,
-                 sharded: GlobalStats | None, on_bug: OnBug,
-                 weights: UpdateWatch | None = None) -> None:
+                 whole_kept: bool, weights: UpdateWatch | None = None) -> None:
         self._params = params
         self._weights = weights
         self._present = present
         self._full = full
-        self._sharded = sharded
-        self._on_bug = on_bug
-        self._local = [p for p in present if not p.sharded]
+        self._whole_kept = whole_kept
+        self._grads = [_measured(p) for p in present]
         self._norm_parts: list[tuple[list[int], slice]] = []
         self._full_slots: dict[int, slice] = {}
-        self._sharded_slot = _NO_SLOT
 
     def queue(self, batch: _HostBatch) -> None:
-        """Queue the norms (and with ``full`` the sums and maxima) of the local gradients, and
-        the sharded ones' combined statistics."""
-        grads: list[Tensor] = []
-        groups: list[int] = []
-        for p in self._local:
-            if p.grad is not None:
-                grads.append(_dense(p.grad) if p.grad.is_sparse else p.grad)
-                groups.append(p.group)
+        """Queue the norms (and with ``full`` the sums and maxima) of the gradients."""
+        grads = [_dense(g) if g.is_sparse else g for g in self._grads]
+        groups = [p.group for p in self._present]
         self._norm_parts = [(order, batch.add(norms))
                             for order, norms in param_norms(grads, groups)]
         if self._full:
-            self._full_slots = {id(p): batch.add(sum_and_absmax(_dense(p.grad)))
-                                for p in self._local if p.grad is not None}
-        if self._sharded is not None:
-            self._sharded_slot = batch.add(self._sharded.values)
+            self._full_slots = {i: batch.add(sum_and_absmax(_dense(g)))
+                                for i, g in enumerate(self._grads)}
         if self._weights is not None:
             self._weights.queue(batch)
 
     def read(self, step: int, batch: _HostBatch, result: StepResult) -> None:
-        """Add one row per parameter that got a gradient, in order; those whose combined
-        norm is not finite come last, after one more collective says NaN or Inf."""
-        local_values = [0.0] * len(self._local)
+        """Add one row per parameter that got a gradient, in order."""
+        norms = [0.0] * len(self._present)
         for order, slot in self._norm_parts:
             for i, value in zip(order, batch[slot], strict=True):
-                local_values[i] = value
-        local_norms = iter(local_values)
-        whole_values = batch[self._sharded_slot]
-        where_sharded = {id(p): i for i, p in enumerate(p for p in self._params if p.sharded)}
+                norms[i] = value
         full, records = self._full, result.records
-        broken: list[tuple[ParamRow, Tensor, float, list[float] | None, tuple[float, float]]] = []
         new_row, nan = tuple.__new__, math.nan
         present = self._present
         if self._weights is not None:
             weight_norms, update_norms = self._weights.read(batch, present)
         else:
             weight_norms = update_norms = [nan] * len(present)
-        for p, weight, update in zip(present, weight_norms, update_norms, strict=True):
-            grad = p.grad
-            assert grad is not None
-            if p.sharded:
-                found = (row_values(whole_values, where_sharded[id(p)], full)
-                         if self._sharded is not None else None)
-                if found is None:  # not combined, or a rank failed to measure its slice
-                    continue
-                norm, extra = found
-                if not math.isfinite(norm):
-                    broken.append((p, grad, norm, extra, (weight, update)))
-                    continue
-                records.append(param_record(step, p, grad, norm, extra, (weight, update),
-                                             (False, False)))
-                continue
-            norm = next(local_norms)
+        for i, (p, grad, norm) in enumerate(zip(present, self._grads, norms, strict=True)):
+            weight, update = weight_norms[i], update_norms[i]
             if full or not math.isfinite(norm) or grad.is_sparse:
-                extra = batch[self._full_slots[id(p)]] if full else None
+                extra = batch[self._full_slots[i]] if full else None
                 records.append(param_record(step, p, _dense(grad), norm, extra,
                                              (weight, update)))
             else:  # the usual row, built inline: a large model has tens of thousands a step
@@ -366,10 +335,6 @@ class _Parameters:
                     step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
                     grad.numel(), norm, nan, nan, nan, nan, False, False, nan, 0, weight,
                     update, nan)))
-        if broken:  # every rank sees the same combined norms, so all of them come here together
-            flags = nonfinite_flags([g for _, g, _, _, _ in broken], self._on_bug)
-            for (p, grad, norm, extra, weights), pair in zip(broken, flags, strict=True):
-                records.append(param_record(step, p, grad, norm, extra, weights, pair))
 
     def missing(self, step: int, result: StepResult) -> None:
         """Add a ``no_grad`` event per parameter that got no gradient; keep the gradients
@@ -378,8 +343,14 @@ class _Parameters:
             if p.grad is None:
                 result.events.append(Event(step, p.layer, p.tensor, p.depth,
                                            EventKind.NO_GRAD.value))
-            elif p.keep and (self._sharded is not None or not p.sharded):
+            elif p.keep and (self._whole_kept or not p.sharded):
                 result.kept[keep_label(p.layer, p.tensor)] = kept_array(whole(p.grad))
+
+
+def _measured(p: ParamRow) -> Tensor:
+    """The gradient a parameter's row measures: this rank's slice of a sharded one."""
+    assert p.grad is not None
+    return local_slice(p.grad) if p.sharded else p.grad
 
 
 class _ForwardReads:
@@ -419,10 +390,6 @@ def _per_unit(c: Capture, staged: dict[StagedGroup, GroupStats]) -> Tensor:
         return per_unit[c.row]
     assert c.extremes is not None
     return torch.maximum(c.extremes[0], c.extremes[1].neg())
-
-
-def _ignore(exc: BaseException, where: str) -> None:
-    """Drop a failure nobody asked to hear of."""
 
 
 def _dense(grad: Tensor) -> Tensor:

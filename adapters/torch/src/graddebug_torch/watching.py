@@ -40,9 +40,11 @@ from graddebug_torch.captures import (
     shape_text,
 )
 from graddebug_torch.compiled import Ran, record_ran, trace_forward, tracing
+from graddebug_torch.distributed import is_sharded, local_slice
 from graddebug_torch.guards import FUNCTORCH_WARNING, transform_running
 from graddebug_torch.outputs import SEVERED_DETAIL, any_requires_grad, fits, flatten
 from graddebug_torch.outputs import unit_dim as _unit_dim  # patched by the fail-open tests
+from graddebug_torch.sharding import Layouts
 from graddebug_torch.staging import SmallGrads
 from graddebug_torch.stats import (
     DotSums,
@@ -74,6 +76,8 @@ class OutputWatch:
         flows: The value flows of parameter-free modules (:mod:`graddebug_torch.valueflow`).
         compiled_ran: A compiled graph called back from the forward hooks: they must stay
             on the modules, as the graph was traced with them.
+        layouts: Where the outputs' layouts among the ranks are learned, in a run of several
+            ranks (:mod:`graddebug_torch.sharding`); None in one process.
     """
 
     def __init__(self, context: WatchContext, layers: Mapping[str, LayerSpec],
@@ -90,6 +94,7 @@ class OutputWatch:
         self.grad_hooks: dict[Key, GradHook] = {}
         self.flows = ValueFlows()
         self.compiled_ran = False
+        self.layouts: Layouts | None = None
 
     def take_depth(self) -> int:
         """The next forward-order depth."""
@@ -198,7 +203,7 @@ class OutputWatch:
                 if not tensor.is_floating_point():
                     continue
                 if layer.capture:
-                    self.watch_tensor(layer, tname, tensor)
+                    self.watch_tensor(layer, tname, tensor, args)
                 if tensor.requires_grad or not any_requires_grad(args):
                     continue
                 # Without a ValueFlow the module owns trainable parameters (starved by this
@@ -225,8 +230,9 @@ class OutputWatch:
                 self.state.between.check((layer.name, tname), layer.depth, tensor)
                 covered[id(tensor)] = weakref.ref(tensor)
 
-    def watch_tensor(self, layer: LayerSpec, tname: str, tensor: Tensor) -> None:
-        """Check output ``tname`` of ``layer`` forward, and hook its gradient.
+    def watch_tensor(self, layer: LayerSpec, tname: str, tensor: Tensor, args: Any = ()) -> None:
+        """Check output ``tname`` of ``layer`` (called on ``args``) forward, and hook its
+        gradient.
 
         Raises:
             MaskShapeError: The layer's mask does not broadcast to the output.
@@ -245,6 +251,8 @@ class OutputWatch:
         if not tensor.requires_grad:
             return
         state.expected.setdefault(key, layer.depth)
+        if self.layouts is not None:
+            self.layouts.learn(key, tensor, args if isinstance(args, tuple) else ())
         hook = self.grad_hooks.get(key)
         if hook is None:  # one per output, reused every step
             hook = self.grad_hooks[key] = functools.partial(self.on_grad, layer, tname)
@@ -294,6 +302,14 @@ class OutputWatch:
         if not self._pause.paused:
             self._pause.until_backward_ends()
         seen = new if new is not None else grad
+        if is_sharded(seen):  # a DTensor: this rank's slice, placed among the ranks
+            if self.layouts is not None:
+                self.layouts.learn_grad((layer.name, tname), seen)
+            seen = local_slice(seen)
+            if new is not None:
+                grad, new = local_slice(grad), seen
+            else:
+                grad = seen
         if seen.is_sparse:
             seen = seen.coalesce().values()
         unit_dim = _unit_dim(seen.dim(), layer.channels_first)
