@@ -1,10 +1,10 @@
 """DDP and FSDP2 against one process trained on the same global batch.
 
-The multi-process tests start two gloo processes on the CPU once for the whole module: each
-worker runs every scenario in turn (DDP, a NaN on rank 1, FSDP2, HSDP, and last a rank killed
-mid-run) and leaves its results in files. The reference is computed here, in one process, with
-plain torch hooks and no graddebug. The fast tests use a one-process gloo group.
-"""
+Every rank records the rows of one process on the global batch. The multi-process tests start
+two gloo processes on the CPU once for the whole module: each worker runs every scenario in
+turn (DDP, a NaN on rank 1, FSDP2, HSDP, and last a rank killed mid-run) and leaves its
+results in files. The reference is computed here, in one process, with plain torch hooks and
+no graddebug. The fast tests use a one-process gloo group."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from torch import nn  # noqa: E402
 import graddebug  # noqa: E402
 from graddebug.adapter import Distribution  # noqa: E402
 from graddebug.errors import GradDebugInternalError  # noqa: E402
-from graddebug.frames import combine_ranks  # noqa: E402
+from graddebug.records import ALL_RANKS  # noqa: E402
 
 dist = torch.distributed
 if not dist.is_available():
@@ -210,6 +210,8 @@ class Results:
         self.path.write_text(json.dumps(self.data, default=str))
 
 
+_SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") \
+    else "all_gather_into_tensor"  # the one collective of a recorded step
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                 "broadcast", "reduce_scatter_tensor")
 
@@ -294,7 +296,7 @@ def _ddp(rank: int, out: Path) -> dict[str, Any]:
         "distribution": [dbg.distribution.rank, dbg.distribution.world_size,
                          dbg.distribution.backend],
         "internal": _internal_errors(dbg) + _internal_errors(named),
-        "kept": kept, "head_grad": head_grad,
+        "kept": kept, "head_grad": head_grad, "rows": _frame_rows(dbg.frame()),
         "selected": sorted(set(named.frame()["layer"])),
     }
 
@@ -443,14 +445,16 @@ def test_ddp_rows_match_one_process_on_the_global_batch(spawned: Spawned,
     ranks = spawned.phase("ddp")
     report = graddebug.load(spawned.out / "ddp")
     frame = report.frame()
-    assert set(frame["rank"]) == {0, 1}
+    # Every rank holds the same global rows; the run files hold them once.
+    assert set(frame["rank"]) == {ALL_RANKS}
+    assert not frame.duplicated(["step", "layer", "tensor", "kind"]).any()
     assert report.metadata["world_size"] == WORLD and report.metadata["backend"] == "gloo"
     assert report.metadata["run"]["status"] == "complete"
     assert [r["distribution"] for r in ranks] == [[0, WORLD, "gloo"], [1, WORLD, "gloo"]]
     assert all(not r["internal"] for r in ranks)
-    # Every rank holds DDP's averaged gradient: each rank's rows are the global truth.
-    for rank in range(WORLD):
-        check_params(frame[frame["rank"] == rank], reference)
+    check_params(frame, reference)
+    for rank in ranks:  # and each rank's own frame, live, is the same global truth
+        check_params(pd.DataFrame(rank["rows"]), reference)
     # The names are those of one process, not "module.body.0".
     model = net()
     with graddebug.watch(model) as single:
@@ -465,20 +469,22 @@ def test_ddp_rows_match_one_process_on_the_global_batch(spawned: Spawned,
 
 
 @pytest.mark.slow
-def test_ddp_activation_norms_combine_to_world_size_times_one_process(
+def test_ddp_activation_rows_are_those_of_one_process_on_the_global_batch(
         spawned: Spawned, reference: dict[str, Any]) -> None:
-    spawned.phase("ddp")
+    ranks = spawned.phase("ddp")
     report = graddebug.load(spawned.out / "ddp")
-    combined = combine_ranks(report.frame())
-    act = combined[combined["kind"] == "activation"]
-    assert len(act) == STEPS * len(LEAVES)
-    for row in act.itertuples():
-        # Each rank's loss is a mean over its half of the batch (see combine_ranks).
-        expected = WORLD * reference["outputs"][(row.step, row.layer)]
-        assert row.norm == pytest.approx(expected, rel=1e-5), (row.step, row.layer)
+    for frame in [report.frame(), *(pd.DataFrame(r["rows"]) for r in ranks)]:
+        act = frame[frame["kind"] == "activation"]
+        assert len(act) == STEPS * len(LEAVES)
+        for row in act.itertuples():
+            # Each rank's loss is a mean over its half of the batch, which DDP averages: the
+            # global loss's gradient at each half is the local one over the world size.
+            expected = reference["outputs"][(row.step, row.layer)]
+            assert row.norm == pytest.approx(expected, rel=1e-5), (row.step, row.layer)
+            assert row.shape == str((BATCH, 1 if row.layer == "head" else HIDDEN))
     last = report.summary().set_index(["layer", "kind"])
     for name in LEAVES:
-        expected = WORLD * reference["outputs"][(STEPS - 1, name)]
+        expected = reference["outputs"][(STEPS - 1, name)]
         assert last.loc[(name, "activation"), "norm_last"] == pytest.approx(expected, rel=1e-5)
 
 
@@ -487,7 +493,9 @@ def test_ddp_watch_leaves_weights_bitwise_identical(spawned: Spawned) -> None:
     for rank in spawned.phase("ddp"):
         assert rank["moved"], "the weights did not change: the comparison would prove nothing"
         assert rank["bitwise"]
-        assert rank["collectives"] == []  # nothing is sharded: graddebug adds no collective
+        # One collective per recorded step, whatever the number of rows (the first step
+        # exchanges the rows' names once more, with all_gather_object).
+        assert rank["collectives"] == [_SINGLE] * STEPS
 
 
 @pytest.mark.slow
@@ -536,9 +544,8 @@ def test_fsdp2_rows_are_whole_gradients_with_uneven_slices(spawned: Spawned,
     assert ranks[1]["slices"]["head.bias"] == [0]
     report = graddebug.load(spawned.out / "fsdp")
     frame = report.frame()
-    assert set(frame["rank"]) == {0, 1}
-    for rank in range(WORLD):
-        check_params(frame[frame["rank"] == rank], reference, full=True)
+    assert set(frame["rank"]) == {ALL_RANKS}
+    check_params(frame, reference, full=True)
     assert report.findings().empty
     recorded = range(0, STEPS, 2)
     for rank in ranks:  # param_stats="norm" (one all_reduce), with outputs=False, every=2
@@ -547,10 +554,8 @@ def test_fsdp2_rows_are_whole_gradients_with_uneven_slices(spawned: Spawned,
         check_params(rows, {"params": {k: v for k, v in reference["params"].items()
                                        if k[0] in recorded}})
         # One collective per recorded step, whatever the number of parameters.
-        single = "all_gather_single" if hasattr(dist, "all_gather_single") \
-            else "all_gather_into_tensor"
-        assert rank["collectives"] == {"full": [single] * STEPS,
-                                       "norm": ["all_reduce"] * len(recorded)}
+        assert rank["collectives"] == {"full": [_SINGLE] * STEPS,
+                                       "norm": [_SINGLE] * len(recorded)}
 
 
 @pytest.mark.slow
@@ -577,9 +582,8 @@ def test_a_killed_rank_leaves_a_loadable_run(spawned: Spawned) -> None:
     run = report.metadata["run"]
     assert run["status"] == "incomplete"
     assert run["ranks"] == {"0": "complete", "1": "running"}
-    frame = report.frame()
-    for rank in range(WORLD):
-        assert sorted(set(frame.loc[frame["rank"] == rank, "step"])) == [0, 1]
+    frame = report.frame()  # rank 0 wrote the global rows of the steps every rank closed
+    assert sorted(set(frame.loc[frame["rank"] == ALL_RANKS, "step"])) == [0, 1]
     assert report.findings().empty
 
 

@@ -270,7 +270,7 @@ def _fill(row: np.ndarray, record: Record, share: Share) -> None:
     row[_WHOLE] = 1.0 if share.whole else 0.0
     row[_NUMEL] = record.numel
     row[_SQ] = norm * norm
-    row[_TOTAL] = record.mean * record.numel * share.scale
+    row[_TOTAL] = record.mean * record.numel * share.scale if record.numel else 0.0
     row[_ABSMAX] = record.absmax * scale
     row[_NAN] = float(record.nan)
     row[_INF] = float(record.inf)

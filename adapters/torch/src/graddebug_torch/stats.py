@@ -248,6 +248,9 @@ def param_norms(grads: Sequence[Tensor], groups: Sequence[int]) -> list[tuple[li
 
 
 def sum_and_absmax(grad: Tensor) -> Tensor:
-    """``[sum, max |g|]`` of a parameter gradient, for ``param_stats="full"``."""
+    """``[sum, max |g|]`` of a parameter gradient, for ``param_stats="full"`` (``-inf`` for
+    the largest of none: a rank's empty slice of a sharded gradient, which adds nothing)."""
+    if grad.numel() == 0:
+        return torch.tensor([0.0, -torch.inf], dtype=acc_dtype(grad), device=grad.device)
     low, high = torch.aminmax(grad)
     return stack_scalars([grad.sum(dtype=acc_dtype(grad)), torch.maximum(high, low.neg())])
