@@ -490,3 +490,17 @@ def test_a_data_parallel_stage_is_refused(group: None) -> None:
     schedule = ScheduleGPipe(stage, MICRO, loss_fn=loss_fn)
     with pytest.raises(ConfigError, match="data parallelism"), graddebug.watch(schedule):
         pass
+
+
+def test_a_stage_module_watched_alone_is_refused(group: None) -> None:
+    module, schedule = pipeline(0, 1)
+    with pytest.raises(ConfigError, match=r"graddebug.watch\(schedule\)"), \
+            graddebug.watch(module):
+        pass
+    other = net()  # a module that no stage runs is watched as ever
+    with graddebug.watch(other) as dbg:
+        x, y = global_batch(0)
+        loss_fn(other(x), y).backward()
+        dbg.step()
+    assert set(dbg.frame()["kind"]) == {"activation", "parameter"}
+    assert schedule is not None  # the stage stays alive until here

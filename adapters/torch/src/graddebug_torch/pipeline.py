@@ -41,6 +41,7 @@ which would act on one micro-batch's gradient rather than the global batch's.
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -57,9 +58,10 @@ from graddebug_torch.adapter import TorchAdapter
 from graddebug_torch.params import ParamRow
 from graddebug_torch.sharding import RankRows
 
-__all__ = ["PipelineAdapter", "StageRows", "is_schedule", "stage_of"]
+__all__ = ["PipelineAdapter", "StageRows", "claim", "is_schedule", "stage_of"]
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
+_STAGES = "torch.distributed.pipelining.stage"
 # The stage's metadata inference (torch >= 2.10); older torches infer shapes under no_grad,
 # where graddebug's hooks record nothing.
 _INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
@@ -76,6 +78,45 @@ def is_schedule(target: object) -> bool:
                                                          "PipelineScheduleMulti")
                   if isinstance(getattr(schedules, name, None), type))
     return bool(kinds) and isinstance(target, kinds)
+
+
+def claim(target: object) -> type[PipelineAdapter] | None:
+    """The adapter of a pipeline schedule; None for anything else.
+
+    Raises:
+        ConfigError: ``target`` is the module a pipeline stage runs: on its own it cannot say
+            how many micro-batches ran nor whether the schedule scales the gradients.
+    """
+    if is_schedule(target):
+        return PipelineAdapter
+    index = _stage_index_running(target)
+    if index is not None:
+        raise ConfigError(
+            f"watch({type(target).__name__}): it is the module of pipeline stage {index}, "
+            "whose layer outputs get each micro-batch's gradient; the module alone cannot say "
+            "how many micro-batches ran nor whether the schedule scales the gradients. Pass "
+            "the schedule instead: graddebug.watch(schedule).")
+    return None
+
+
+def _stage_index_running(module: object) -> int | None:
+    """The index of the live pipeline stage that runs ``module``, or None.
+
+    Asked only once the user imported the pipelining package, once per ``watch``: the stage
+    is found among the objects that refer to the module (tens of milliseconds for half a
+    million live objects).
+    """
+    stages = sys.modules.get(_STAGES)
+    base = getattr(stages, "_PipelineStageBase", None)
+    if not isinstance(base, type) or not isinstance(module, nn.Module):
+        return None
+    for referrer in gc.get_referrers(module):
+        # An instance, or its __dict__ where the interpreter keeps one.
+        found = vars(referrer) if isinstance(referrer, base) else referrer
+        if (isinstance(found, dict) and found.get("submod") is module
+                and isinstance(found.get("stage_index"), int)):
+            return int(found["stage_index"])
+    return None
 
 
 def stage_of(schedule: Any) -> Any:
