@@ -22,10 +22,11 @@ def graddebug_adapter(target: object) -> AdapterFactory | None:
     if torch is None:
         return None
     if "torch.distributed.pipelining.schedules" in sys.modules:
-        from graddebug_torch.pipeline import PipelineAdapter, is_schedule
+        from graddebug_torch.pipeline import claim as claim_pipeline
 
-        if is_schedule(target):
-            return PipelineAdapter
+        pipeline = claim_pipeline(target)  # a schedule; a stage's module is refused
+        if pipeline is not None:
+            return pipeline
     if not isinstance(target, (torch.nn.Module, torch.Tensor)):
         return None
     if _keras_layer(target):
