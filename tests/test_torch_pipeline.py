@@ -504,3 +504,21 @@ def test_a_stage_module_watched_alone_is_refused(group: None) -> None:
         dbg.step()
     assert set(dbg.frame()["kind"]) == {"activation", "parameter"}
     assert schedule is not None  # the stage stays alive until here
+
+
+def test_kept_output_gradients_are_each_micro_batch_of_the_global_one(group: None) -> None:
+    model = net()
+    x, y = global_batch(0)
+    out = model(x)
+    (truth,) = torch.autograd.grad(loss_fn(out, y), out)  # the global batch's, one process
+    module, schedule = pipeline(0, 1)
+    with graddebug.watch(schedule, keep=["blocks.3.0"]) as dbg:
+        run_step(schedule, 0, 1, 0)
+        result = dbg.step()
+    assert result is not None
+    rows = BATCH // MICRO
+    for call in range(MICRO):
+        label = "blocks.3.0" + (f"#{call}" if call else "")
+        expected = truth[call * rows:(call + 1) * rows].numpy()
+        assert result.kept[label] == pytest.approx(expected, rel=1e-5, abs=1e-8), label
+    assert module.blocks["3"][0].weight.grad is not None
