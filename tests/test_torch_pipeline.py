@@ -30,7 +30,12 @@ if not dist.is_available():
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
 pipelining = pytest.importorskip("torch.distributed.pipelining")
 
-from test_torch_distributed import Results, graddebug_collectives, launch  # noqa: E402
+from test_torch_distributed import (  # noqa: E402
+    Results,
+    Spawned,
+    graddebug_collectives,
+    launch,
+)
 
 IN, WIDTH = 6, 8
 WORLD = 2
@@ -288,30 +293,6 @@ def _scenarios(rank: int, world: int, out: Path) -> None:
     results.phase("gpipe", lambda: _gpipe(rank, world, out))
     results.phase("1f1b", lambda: _one_f_one_b(rank, world))
     results.phase("bf16", lambda: _bf16(rank, world))
-
-
-class Spawned:
-    """The two workers' exit codes and results, and the run directories they wrote."""
-
-    def __init__(self, out: Path, codes: list[int | None]) -> None:
-        self.out = out
-        self.codes = codes
-        self.ranks = [Results(out, rank) for rank in range(WORLD)]
-        for results in self.ranks:
-            if results.path.exists():
-                import json
-
-                results.data = json.loads(results.path.read_text())
-
-    def phase(self, name: str) -> list[dict[str, Any]]:
-        """Each rank's results of one phase; fails with the worker's traceback if it failed."""
-        found = []
-        for rank, results in enumerate(self.ranks):
-            data = results.data
-            assert name in data, f"rank {rank} never finished {name!r} (exit codes {self.codes})"
-            assert "error" not in data[name], f"rank {rank}, {name}:\n{data[name]['error']}"
-            found.append(data[name])
-        return found
 
 
 @pytest.fixture(scope="module")
