@@ -247,10 +247,10 @@ class PipelineAdapter(TorchAdapter):
 
     def close_step(self, step: int, grads: Sequence[Any] | None, record: bool) -> StepResult:
         """Close the step as the torch adapter does. With several ranks, :class:`StageRows`
-        makes this stage's rows the global batch's before they are combined; alone, that is
-        done here."""
+        makes this stage's rows the global batch's before they are combined (or, while an
+        exception unwinds, kept); alone, that is done here."""
         result = super().close_step(step, grads, record)
-        return result if result.shared else self._global_rows(result)
+        return result if self._ranks is not None else self._global_rows(result)
 
     def _global_rows(self, result: StepResult) -> StepResult:
         """This stage's rows made the global batch's: the outputs' gradients divided by the
