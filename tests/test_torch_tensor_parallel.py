@@ -208,18 +208,26 @@ def test_every_ranks_rows_are_the_single_process_rows(
         name: str, two: Spawned, four: Spawned, reference: dict[Key, dict[str, Any]],
         single: graddebug.Watcher) -> None:
     ranks = spawned_for(name, two, four).phase(name)
-    ours = single.frame().set_index(["step", "layer", "tensor", "kind"])
     for number, rank in enumerate(ranks):
-        frame = frame_of(rank["rows"])
-        check_rows(frame, reference, 1e-5, f"{name}, rank {number}")
-        # The weight norms too are those of the whole parameters.
-        for row in frame[frame["kind"] == "parameter"].itertuples():
-            expected = ours.loc[key_of(row), "weight_norm"]
-            assert row.weight_norm == pytest.approx(expected, rel=1e-5), key_of(row)
+        check_rows(frame_of(rank["rows"]), reference, 1e-5, f"{name}, rank {number}")
     first = frame_of(ranks[0]["rows"])
     for rank in ranks[1:]:  # one collective gave every rank the same rows
         pd.testing.assert_frame_equal(frame_of(rank["rows"]).drop(columns="rank"),
                                       first.drop(columns="rank"), rtol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHARDINGS)
+def test_weight_norms_are_those_of_the_whole_parameters(name: str, two: Spawned, four: Spawned,
+                                                        single: graddebug.Watcher) -> None:
+    ours = single.frame().set_index(["step", "layer", "tensor", "kind"])
+    params = ours[ours.index.get_level_values("kind") == "parameter"]
+    assert params["weight_norm"].notna().all()  # one process knows every one
+    for rank in spawned_for(name, two, four).phase(name):
+        frame = frame_of(rank["rows"])
+        for row in frame[frame["kind"] == "parameter"].itertuples():
+            expected = ours.loc[key_of(row), "weight_norm"]
+            assert row.weight_norm == pytest.approx(expected, rel=1e-5), key_of(row)
 
 
 @pytest.mark.slow

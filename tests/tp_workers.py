@@ -82,9 +82,9 @@ def gather_truth(model: Net, seen: dict[str, torch.Tensor], layout: Layout,
 
 
 def _rows(frame: Any) -> list[dict[str, Any]]:
-    import json
-
-    return list(json.loads(frame.to_json(orient="records")))
+    """A frame's rows as plain Python values, every float at full precision."""
+    return [{k: v.item() if hasattr(v, "item") else v for k, v in row.items()}
+            for row in frame.to_dict(orient="records")]
 
 
 def _same(a: Net, b: Net) -> bool:
