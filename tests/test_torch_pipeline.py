@@ -302,8 +302,8 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> Spawned:
 
 
 @pytest.fixture(scope="module")
-def single_findings() -> set[tuple[int, str, str, str]]:
-    """What graddebug finds in one process trained on the global batches."""
+def single() -> graddebug.Watcher:
+    """graddebug in one process trained on the global batches."""
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     with graddebug.watch(model, param_stats="full") as dbg:
@@ -313,7 +313,13 @@ def single_findings() -> set[tuple[int, str, str, str]]:
             loss_fn(model(x), y).backward()
             dbg.step()
             optimizer.step()
-    found = dbg.findings()
+    return dbg
+
+
+@pytest.fixture(scope="module")
+def single_findings(single: graddebug.Watcher) -> set[tuple[int, str, str, str]]:
+    """What graddebug finds in one process trained on the global batches."""
+    found = single.findings()
     return set(zip(found["step"], found["layer"], found["tensor"], found["issue"], strict=True))
 
 
@@ -356,12 +362,16 @@ def test_gpipe_findings_of_every_rank_are_those_of_one_process(
 
 @pytest.mark.slow
 def test_gpipe_run_files_hold_every_stage_once_in_model_order(
-        spawned: Spawned, reference: dict[str, Any]) -> None:
+        spawned: Spawned, reference: dict[str, Any], single: graddebug.Watcher) -> None:
     spawned.phase("gpipe")
     frame = graddebug.load(spawned.out / "gpipe").frame()
     keys = list(zip(frame["step"], frame["layer"], frame["tensor"], frame["kind"], strict=True))
     assert len(keys) == len(set(keys))  # once, not once per rank
     check_rows(frame, reference, stages=(0, 1))
+    one = single.frame()
+    assert dict(zip(keys, frame["depth"], strict=True)) == dict(zip(
+        zip(one["step"], one["layer"], one["tensor"], one["kind"], strict=True), one["depth"],
+        strict=True))
     for step in range(STEPS):
         acts = frame[(frame["kind"] == "activation") & (frame["step"] == step)]
         by_depth = list(acts.sort_values("depth")["layer"])
