@@ -15,6 +15,7 @@ __all__ = [
     "AdapterContractError",
     "ConfigError",
     "CorruptRunError",
+    "EngineStepError",
     "GradDebugError",
     "GradDebugInternalError",
     "GradDebugWarning",
@@ -107,6 +108,11 @@ class AdapterContractError(GradDebugError, TypeError):
 
 class WatcherStateError(GradDebugError, RuntimeError):
     """A Watcher method was called when the Watcher is not in a state to serve it."""
+
+
+class EngineStepError(WatcherStateError):
+    """``dbg.step()`` was called on a Watcher whose steps a training engine closes itself (a
+    DeepSpeed engine given to ``watch``: each optimizer update of the engine is a step)."""
 
 
 class GradDebugInternalError(GradDebugError, RuntimeError):

@@ -31,6 +31,12 @@ def graddebug_adapter(target: object) -> AdapterFactory | None:
         return None
     if _keras_layer(target):
         return None
+    if "deepspeed" in sys.modules:  # an engine, or the module of a ZeRO engine (refused)
+        from graddebug_torch.deepspeed import claim
+
+        engine = claim(target)
+        if engine is not None:
+            return engine
     from graddebug_torch.adapter import TorchAdapter
 
     return TorchAdapter
