@@ -305,8 +305,26 @@ def _many_layers(payload: dict[str, Any], name: str,
     return BenchTable(caption, ["measure", "value", "target"], rows)
 
 
+def _distributed(payload: dict[str, Any], name: str,
+                 filters: dict[str, list[str]]) -> BenchTable:
+    env, settings = payload["environment"], payload["settings"]
+    rows = [[str(res["setup"]), str(res["world"]), _ms(res["plain_ms"]), _ms(res["watched_ms"]),
+             f"{res['ratio']:.2f}×", _ms(res["close_ms"]), f"{res['collective_ms']:.2f}",
+             f"{res['collective_ms'] / res['watched_ms']:.1%}", f"{res['collectives_per_step']:g}"]
+            for res in _keep(payload["results"], filters)]
+    caption = (f"{name}: {_when(env['timestamp'])}, {env['platform']}{_cpus(env.get('cpus'))}; "
+               + _versions([("torch", env["torch"]), ("graddebug", env.get("graddebug"))])
+               + f"; gloo on the CPU; {settings['blocks']} MLP blocks of width "
+               f"{settings['width']}, global batch {settings['batch']}; {settings['rounds']} "
+               f"rounds of {settings['steps_per_round']} steps")
+    return BenchTable(caption, ["setup", "processes", "plain ms/step", "watched ms/step", "ratio",
+                                "dbg.step() ms", "collective ms", "collective / step",
+                                "collectives / step"], rows)
+
+
 Builder = Callable[[dict[str, Any], str, dict[str, list[str]]], BenchTable]
 BUILDERS: dict[str, Builder] = {
+    "distributed": _distributed,
     "zoo": _zoo,
     "overhead_torch": _overhead_torch,
     "overhead_tf": _overhead_tf,
