@@ -41,7 +41,7 @@ from graddebug_torch.params import (
 )
 from graddebug_torch.parking import HookParking
 from graddebug_torch.scaling import LossScaling
-from graddebug_torch.sharding import RankRows
+from graddebug_torch.sharding import RankRows, rank_rows
 from graddebug_torch.updates import UpdateWatch
 from graddebug_torch.valueflow import needs_value_flow, never_cuts
 from graddebug_torch.watching import OutputWatch
@@ -177,11 +177,9 @@ class TorchAdapter(BaseAdapter):
         self._ops.attach()
         self._updates.attach()
         self._clips.attach()
-        world = distribution().world_size
-        if world > 1:
-            self._ranks = RankRows(world, lambda name: name in self._layers and self._layers[
-                name].channels_first, self._ctx.warn_once)
-            self._watch.layouts = self._ranks.layouts
+        self._ranks = rank_rows(distribution().world_size, self._layers, self._params,
+                                self._ctx.warn_once)
+        self._watch.layouts = self._ranks.layouts if self._ranks is not None else None
         # A compiled graph keeps the hooks it was traced with, so hooks parked while dynamo
         # traces would be missing from it on recorded steps too; op capture hooks the root.
         self._parks = self._options.every > 1 and not runs_compiled and not self._ops.enabled

@@ -22,7 +22,8 @@ from torch import Tensor
 
 from graddebug.adapter import Distribution
 
-__all__ = ["ShardedMarks", "distribution", "is_sharded", "local_slice", "whole"]
+__all__ = ["ShardedMarks", "distribution", "is_sharded", "local_slice", "replicated_like",
+           "whole"]
 
 _MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # torch >= 2.4; older
 
@@ -116,3 +117,12 @@ def local_slice(grad: Any) -> Tensor:
     if local.is_sparse:
         local = local.coalesce().values()
     return local
+
+
+def replicated_like(tensor: Tensor, like: Any) -> Tensor:
+    """``tensor``, the same on every rank, as a replicated ``DTensor`` on ``like``'s mesh."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = like.device_mesh
+    out: Tensor = DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return out

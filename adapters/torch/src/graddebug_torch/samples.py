@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from graddebug import sampling
+from graddebug_torch.distributed import is_sharded
 from graddebug_torch.params import TorchParam
 
 __all__ = ["Group", "Layout", "Sample"]
@@ -38,7 +39,7 @@ def _flat(param: Tensor) -> tuple[Tensor, list[int]] | None:
     """A parameter's entries as one flat view in memory order, and its shape in memory order
     (outermost axis first, axes of size 1 left out); None when no view holds exactly its
     entries."""
-    data = param.detach()
+    data = _local(param).detach()
     if (type(data) is not Tensor or data.layout != torch.strided or data.is_meta
             or not data.is_floating_point() or data.numel() == 0):
         return None
@@ -56,6 +57,15 @@ def _flat(param: Tensor) -> tuple[Tensor, list[int]] | None:
     if data.is_contiguous():
         return data.view(-1), shape
     return data.as_strided((data.numel(),), (1,), data.storage_offset()), shape
+
+
+def _local(param: Tensor) -> Tensor:
+    """The entries of a parameter this rank holds: its slice of a ``DTensor`` (FSDP2, tensor
+    parallelism), whose row the ranks' rows combine into the whole; else the parameter."""
+    if is_sharded(param):
+        local: Tensor = param.to_local()  # type: ignore[attr-defined]
+        return local
+    return param
 
 
 _Stamp = tuple[int, int]
@@ -96,7 +106,8 @@ class Group:
 
     def now(self) -> list[_Stamp]:
         """The samples' parameters' stamps now."""
-        return [(s.param.data_ptr(), s.param._version) for s in self.samples]
+        return [(local.data_ptr(), local._version)
+                for local in (_local(s.param) for s in self.samples)]
 
     def refresh(self) -> bool:
         """Copy the samples whose parameter changed since their row was copied (none, as a
@@ -198,7 +209,7 @@ class Layout:
             group = Group(torch.empty((2, len(taken), k), dtype=dtype, device=device))
             for position, (i, view, stride) in enumerate(taken):
                 param = params[i].param
-                scale = sampling.Sample(param.numel(), stride).scale
+                scale = sampling.Sample(_local(param).numel(), stride).scale
                 sample = Sample(i, param, stride, scale, position)
                 self.samples[i] = (sample, group)
                 group.samples.append(sample)

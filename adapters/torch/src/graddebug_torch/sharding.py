@@ -26,7 +26,7 @@ module without parameters) gives no row and one warning naming the layer: never 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,12 +36,14 @@ from torch import Tensor
 
 from graddebug.adapter import StepResult
 from graddebug.adapter.ranks import WHOLE, RankCombiner, Share
+from graddebug.capture.layers import LayerSpec
 from graddebug.records import Kind, Record
 from graddebug_torch.distributed import is_sharded
 from graddebug_torch.outputs import unit_dim
-from graddebug_torch.params import ParamRow
+from graddebug_torch.params import ParamRow, TorchParam
 
-__all__ = ["UNPLACED_WARNING", "Layout", "Layouts", "RankRows", "TorchCollective", "param_share"]
+__all__ = ["UNPLACED_WARNING", "Layout", "Layouts", "RankRows", "TorchCollective", "param_share",
+           "rank_rows"]
 
 _PARAMETER = Kind.PARAMETER.value
 
@@ -93,7 +95,8 @@ class Layouts:
         self._pieces: dict[int, tuple[weakref.ref[Tensor], Layout]] = {}
 
     def clear(self) -> None:
-        """Forget the step's layouts (the mesh stays)."""
+        """Forget the step's layouts (the mesh stays): when each step closes, recorded or
+        not."""
         self._of.clear()
         self._pieces.clear()
 
@@ -131,6 +134,26 @@ class Layouts:
                 return "a sharded input changed shape in a module without parameters"
         return _BATCH
 
+    def shape(self, key: tuple[str, str], tensor: Tensor) -> tuple[int, ...]:
+        """The whole shape of output ``key``, ``tensor`` on this rank."""
+        found = self._of.get(key)
+        return found.shape if isinstance(found, Layout) else tuple(tensor.shape)
+
+    def logical(self, key: tuple[str, str], grad: Tensor) -> Tensor:
+        """``grad`` as the ``DTensor`` of the whole output ``key`` where it is this rank's
+        piece of one split over the ranks; else ``grad`` itself."""
+        found = self._of.get(key)
+        if (not isinstance(found, Layout) or is_sharded(grad)
+                or all(p.is_replicate() for p in found.placements)):
+            return grad
+        from torch.distributed.tensor import DTensor
+
+        shape = torch.Size(found.shape)
+        stride = torch.empty(shape, device="meta").stride()
+        out: Tensor = DTensor.from_local(grad, found.mesh, found.placements, run_check=False,
+                                         shape=shape, stride=stride)
+        return out
+
     def share(self, key: tuple[str, str], unit_dim: int | None) -> Share | str:
         """The share of output ``key``'s row, or why it has none."""
         found = self._of.get(key, _BATCH)
@@ -164,7 +187,7 @@ def _piece_share(layout: Layout, scale: float, unit_dim: int | None,
     for dim, placement in enumerate(layout.placements):
         if placement.is_replicate() or placement.is_partial():
             copies.append(dim)
-        elif placement.is_shard() and type(placement).__name__ == "Shard":
+        elif placement.is_shard():  # Shard, or FSDP's _StridedShard: disjoint pieces alike
             units_split |= unit_dim is not None and placement.dim % ndim == unit_dim % ndim
         else:
             return f"placement {placement!r} of a gradient is not supported"
@@ -234,15 +257,19 @@ class RankRows:
         channels_first: Whether a layer's outputs hold their units on axis 1 (by name).
         warn: Warns once per key (``WatchContext.warn_once``).
         data_parallel: See :class:`Layouts`.
+        unplaced: Parameters no rule places, by ``(layer, tensor)``, and why: their rows are
+            left out, with one warning each.
     """
 
     def __init__(self, world: int, channels_first: Callable[[str], bool],
-                 warn: Callable[[str, str], None], data_parallel: bool = True) -> None:
+                 warn: Callable[[str, str], None], data_parallel: bool = True,
+                 unplaced: Mapping[tuple[str, str], str] | None = None) -> None:
         self.layouts = Layouts(world, data_parallel)
         self.combiner = RankCombiner(TorchCollective())
         self._world = world
         self._channels_first = channels_first
         self._warn = warn
+        self._unplaced = dict(unplaced or {})
 
     def combine(self, step: int, result: StepResult | None, params: Sequence[ParamRow]
                 ) -> StepResult:
@@ -269,8 +296,6 @@ class RankRows:
                 shares = [s for s in found if s is not None]
         except Exception as exc:  # the collective must still run on every rank
             failure = exc
-        finally:
-            self.layouts.clear()
         rows = self.combiner.combine(step, records, shares)
         if failure is not None:
             raise failure
@@ -280,7 +305,6 @@ class RankRows:
         """``result`` without the rows of pieces (no collective: a rank unwinding an
         exception, whose peers may never reach one): only the rows that are whole stay."""
         shares = self._shares(result.records, params)
-        self.layouts.clear()
         return replace(result, records=[r for r, s in zip(result.records, shares, strict=True)
                                         if s is not None and s.whole])
 
@@ -293,7 +317,8 @@ class RankRows:
         for r in records:
             key = (r.layer, r.tensor)
             if r.kind == _PARAMETER:
-                found = param_share(grads.get(key), self._world, parallel)
+                found = self._unplaced.get(key) or param_share(grads.get(key), self._world,
+                                                               parallel)
             else:
                 ndim = r.shape.count(",") + (0 if r.shape.endswith(",)") else 1)
                 found = self.layouts.share(key, unit_dim(ndim, self._channels_first(r.layer)))
@@ -304,3 +329,25 @@ class RankRows:
             else:
                 out.append(found)
         return out
+
+
+_FLAT = ("FSDP1 without use_orig_params=True flattens the parameters into one slice per rank; "
+         "pass use_orig_params=True or use FSDP2's fully_shard")
+
+
+def rank_rows(world: int, layers: Mapping[str, LayerSpec], params: Sequence[TorchParam],
+              warn: Callable[[str, str], None]) -> RankRows | None:
+    """How a run of ``world`` ranks combines its rows; None in one process.
+
+    Args:
+        world: The number of ranks.
+        layers: The adapter's layers by name (their unit axis).
+        params: The watched parameters (FSDP1's flat parameters are refused).
+        warn: Warns once per key.
+    """
+    if world <= 1:
+        return None
+    unplaced = {(p.layer, p.tensor): _FLAT for p in params
+                if type(p.param).__name__ == "FlatParameter"}
+    return RankRows(world, lambda name: name in layers and layers[name].channels_first, warn,
+                    unplaced=unplaced)

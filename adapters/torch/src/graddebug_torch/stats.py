@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from graddebug.capture.layers import Intervention
+from graddebug_torch.distributed import is_sharded, replicated_like
 
 __all__ = [
     "DOT_SUM_LIMIT",
@@ -182,8 +183,10 @@ def apply_intervention(grad: Tensor, spec: Intervention) -> Tensor:
         if spec.mask_is_callable:
             out = spec.mask(out)
         else:
-            mask = spec.mask
-            out = torch.where(mask.to(dtype=torch.bool, device=out.device), out, 0)
+            mask = spec.mask.to(dtype=torch.bool, device=out.device)
+            if is_sharded(out) and not is_sharded(mask):  # the whole output's mask
+                mask = replicated_like(mask, out)
+            out = torch.where(mask, out, 0)
     if spec.scale is not None:
         out = out * spec.scale
     if spec.clip_value is not None:

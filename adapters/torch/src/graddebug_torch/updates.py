@@ -34,11 +34,11 @@ estimates of updates, whose rows differ in scale, would suffer first.
 A change made through ``.data`` in place (``p.data.mul_(2)``) moves no stamp, as it escapes
 autograd's version counter too: it is seen at the next optimizer step, whose update it joins.
 The view of a parameter whose ``.data`` was replaced keeps the old storage until the next check
-(a close or a step of an optimizer that holds it). Parameters that cannot be sampled by a view
-have NaN in both columns: sharded ones (``DTensor``, FSDP2: each rank holds a slice) and other
-tensor subclasses, sparse ones, those that are not dense in memory (a slice of a larger tensor;
-a permuted dense tensor, ``channels_last`` say, is sampled in memory order) and non-float
-ones. Optimizer steps run inside ``torch.compile`` are not measured.
+(a close or a step of an optimizer that holds it). A ``DTensor``'s slice on this rank is
+sampled, and the ranks' rows combine. Parameters that cannot be sampled by a view have NaN in
+both columns: other tensor subclasses, sparse ones, those that are not dense in memory (a slice
+of a larger tensor; a permuted dense tensor, ``channels_last`` say, is sampled in memory order)
+and non-float ones. Optimizer steps run inside ``torch.compile`` are not measured.
 """
 
 from __future__ import annotations

@@ -116,6 +116,8 @@ class OutputWatch:
         self._pause.resume()
         self.state.hooks.remove()
         self.state = self._new_step()
+        if self.layouts is not None:
+            self.layouts.clear()
         self.staging.clear()
         self._forward_staging.clear()
 
@@ -183,7 +185,7 @@ class OutputWatch:
             return
         if not ctx.recording:  # a step every= skips: nothing to do but interventions
             if layer.intervention is not None and not transform_running():
-                self.intervene_outputs(layer, output)
+                self.intervene_outputs(layer, output, args)
             return
         flow = self.flows.finished(module)  # left unread on skipped steps: replaced per call
         if transform_running():
@@ -240,8 +242,11 @@ class OutputWatch:
         key = (layer.name, tname)
         state = self.state
         spec = layer.intervention
+        if self.layouts is not None and tensor.requires_grad:
+            self.layouts.learn(key, tensor, args if isinstance(args, tuple) else ())
         if spec is not None and spec.mask is not None and not spec.mask_is_callable:
-            layer.check_mask(spec.mask, tuple(tensor.shape), isinstance(spec.mask, Tensor))
+            shape = self.layouts.shape(key, tensor) if self.layouts is not None else tensor.shape
+            layer.check_mask(spec.mask, tuple(shape), isinstance(spec.mask, Tensor))
         if layer.capture:
             if layer.check_forward:
                 # Forward finiteness check: one reduction, read at the step's single sync.
@@ -251,32 +256,41 @@ class OutputWatch:
         if not tensor.requires_grad:
             return
         state.expected.setdefault(key, layer.depth)
-        if self.layouts is not None:
-            self.layouts.learn(key, tensor, args if isinstance(args, tuple) else ())
         hook = self.grad_hooks.get(key)
         if hook is None:  # one per output, reused every step
             hook = self.grad_hooks[key] = functools.partial(self.on_grad, layer, tname)
         state.hooks.add(tensor, hook)
 
-    def intervene_outputs(self, layer: LayerSpec, output: Any) -> None:
+    def intervene_outputs(self, layer: LayerSpec, output: Any, args: Any = ()) -> None:
         """Set the interventions of ``layer`` on an output that is not recorded."""
-        for _, tensor in flatten(output):
-            self.intervene_unrecorded(tensor, layer.intervention, layer.name)
+        for tname, tensor in flatten(output):
+            key = (layer.name, tname)
+            if self.layouts is not None and tensor.requires_grad:
+                self.layouts.learn(key, tensor, args if isinstance(args, tuple) else ())
+            self.intervene_unrecorded(tensor, layer.intervention, layer.name, key)
 
     def intervene_unrecorded(self, tensor: Tensor, spec: Intervention | None,
-                             name: str) -> None:
+                             name: str, key: Key | None = None) -> None:
         """Interventions act on every step: on steps ``every=`` skips, alter without recording."""
         if spec is not None and spec.active and tensor.requires_grad:
-            hook = functools.partial(self._intervene, spec, name)
+            hook = functools.partial(self._intervene, spec, name, key=key)
             self.state.hooks.add(tensor, hook)
 
     # -- tensor hooks ------------------------------------------------------------------------
 
-    def _intervene(self, spec: Intervention, name: str, grad: Tensor) -> Tensor:
+    def _intervene(self, spec: Intervention, name: str, grad: Tensor,
+                   key: Key | None = None) -> Tensor:
         """Apply ``spec`` to ``grad`` (a bug leaves ``grad`` as it is; a mask that does not
-        fit raises)."""
-        return intervene_fail_open(spec, name, grad, apply_intervention, fits,
-                                   self.context.internal_error)
+        fit raises). The gradient of output ``key`` that is this rank's piece of a tensor
+        spread over the ranks (tensor parallelism) is altered as the whole tensor: a clip
+        takes the whole tensor's norm, a mask has the whole tensor's shape."""
+        layouts = self.layouts
+        logical = layouts.logical(key, grad) if layouts is not None and key else grad
+        out = intervene_fail_open(spec, name, logical, apply_intervention, fits,
+                                  self.context.internal_error)
+        if logical is grad or out is logical:
+            return out if logical is grad else grad
+        return local_slice(out)
 
     def on_grad(self, layer: LayerSpec, tname: str, grad: Tensor) -> Tensor | None:
         """The tensor hook of output ``tname`` of ``layer``: intervene, then record.
@@ -287,7 +301,7 @@ class OutputWatch:
         spec = layer.intervention
         new = None
         if spec is not None and spec.active:
-            new = self._intervene(spec, layer.name, grad)
+            new = self._intervene(spec, layer.name, grad, (layer.name, tname))
         if not self.context.recording:
             # Only a compiled graph calls this on a step that every= skips: its operators run
             # on every step, where eager hooks are set on recorded steps alone.
