@@ -42,6 +42,7 @@ BATCH = WORLD * MICRO * ACCUMULATE  # the global batch of one update
 STEPS = 3
 LR = 0.1
 LEAVES = ("inp", "mid", "side", "head")
+CLIP = 1.0  # DeepSpeed's default gradient_clipping: every update here is clipped
 STAGES = (1, 2, 3)
 
 
@@ -90,8 +91,9 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def reference_run() -> dict[str, Any]:
-    """Train :class:`Net` with SGD on the global batches in one process: every parameter
-    gradient's norm, mean and absmax, and the norm of the gradient at each leaf's output."""
+    """Train :class:`Net` with SGD on the global batches in one process, clipping the
+    gradients' global norm as DeepSpeed does: every parameter gradient's norm, mean, absmax
+    and norm after the clip, and the norm of the gradient at each leaf's output."""
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     modules = dict(model.named_modules())
@@ -118,6 +120,11 @@ def reference_run() -> dict[str, Any]:
             params[(step, layer, tensor)] = {"norm": float(g.norm()), "mean": float(g.mean()),
                                              "absmax": float(g.abs().max()),
                                              "shape": str(tuple(g.shape))}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        for pname, p in model.named_parameters():
+            if p.grad is not None:
+                layer, _, tensor = pname.rpartition(".")
+                params[(step, layer, tensor)]["clipped"] = float(p.grad.double().norm())
         optimizer.step()
     return {"params": params, "outputs": outputs}
 
@@ -131,9 +138,17 @@ def single_findings() -> set[tuple[int, str, str, str]]:
             optimizer.zero_grad(set_to_none=True)
             x, y = global_batch(step)
             loss_fn(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             dbg.step()
             optimizer.step()
-    return _finding_keys(json.loads(dbg.findings().to_json(orient="records")))
+    return _finding_keys(_rows(dbg.findings()))
+
+
+def _rows(frame: Any) -> list[dict[str, Any]]:
+    """A frame's rows at full precision (to_json's default keeps ten decimals)."""
+    rows: list[dict[str, Any]] = json.loads(frame.to_json(orient="records",
+                                                         double_precision=15))
+    return rows
 
 
 def _finding_keys(rows: list[dict[str, Any]]) -> set[tuple[int, str, str, str]]:
@@ -149,7 +164,7 @@ def _engine(model: nn.Module, stage: int, bf16: bool) -> Any:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATE,
         "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10 ** 6, "gradient_clipping": 0.0}  # DeepSpeed clips at 1.0 by default
+        "steps_per_print": 10 ** 6}  # and DeepSpeed's default gradient_clipping, 1.0
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=model, config=config,
@@ -196,8 +211,8 @@ def _zero(stage: int, rank: int, out: Path) -> dict[str, Any]:
     _train(plain, rank)
     bitwise = all(torch.equal(a, b) for a, b in zip(_weights(watched), _weights(plain),
                                                         strict=True))
-    return {"frame": json.loads(dbg.frame().to_json(orient="records")),
-            "findings": json.loads(dbg.findings().to_json(orient="records")),
+    return {"frame": _rows(dbg.frame()),
+            "findings": _rows(dbg.findings()),
             "collectives": calls, "bitwise": bitwise, "step_refused": refused,
             "module_refused": _raised(lambda: graddebug.watch(watched.module))}
 
@@ -225,8 +240,7 @@ def _bf16(stage: int, rank: int) -> dict[str, Any]:
         modules[leaf].register_forward_hook(hook)
     with graddebug.watch(engine) as dbg:
         _train(engine, rank, truth)
-    return {"frame": json.loads(dbg.frame().to_json(orient="records")), "params": params,
-            "sums": sums}
+    return {"frame": _rows(dbg.frame()), "params": params, "sums": sums}
 
 
 def _scenarios(rank: int, world: int, out: Path) -> None:
@@ -266,6 +280,8 @@ def _check_rows(frame: list[dict[str, Any]], reference: dict[str, Any], where: s
         scale = ref["norm"] / math.sqrt(r["numel"])
         assert r["mean"] == pytest.approx(ref["mean"], rel=1e-4, abs=1e-6 * scale), at
         assert r["absmax"] == pytest.approx(ref["absmax"], rel=1e-5), at
+        assert r["clipped_norm"] == pytest.approx(ref["clipped"], rel=1e-5), at
+        assert r["clipped_norm"] < r["norm"], at  # the clip acted
     outputs = [r for r in frame if r["kind"] == "activation"]
     assert {(r["step"], r["layer"]) for r in outputs} == set(reference["outputs"]), where
     assert len(outputs) == len(reference["outputs"]), where

@@ -1,4 +1,4 @@
-"""DeepSpeed: ``graddebug.watch(engine)`` on a ``deepspeed.DeepSpeedEngine``, ZeRO 0 to 3.
+"""DeepSpeed: ``graddebug.watch(engine)`` on a ``deepspeed.DeepSpeedEngine``, ZeRO 1, 2 and 3.
 
 ::
 
@@ -23,8 +23,9 @@ The rows are those of one process trained on the global batch:
   ranks (the global loss is the mean of the ranks' losses, as the engine averages the
   gradients), as under DDP.
 
-Refused: ``watch(engine.module)`` of a ZeRO engine (each rank would see its own partition or
-none: a :class:`~graddebug.errors.ConfigError` says to pass the engine), ``optimizer=`` and
+Refused, with a :class:`~graddebug.errors.ConfigError` that says what to do: an engine without
+ZeRO (stage 0), ``watch(engine.module)`` of a ZeRO engine (each rank would see its own
+partition or none: the error says to pass the engine), ``optimizer=`` and
 ``scaler=`` (the engine's update closes the steps and the loss scale is the engine's), and
 ``graddebug.check`` and ``dbg.callback()``, which run loops of their own. ``keep=`` keeps
 layer-output gradients; a ZeRO parameter's would need an all-gather, and is not kept (one
@@ -45,7 +46,7 @@ from graddebug.errors import ConfigError, EngineStepError
 from graddebug_torch.adapter import TorchAdapter
 from graddebug_torch.model import ModuleIndex
 from graddebug_torch.params import TorchParam
-from graddebug_torch.zero import ZeroGrads, ZeroRows
+from graddebug_torch.zero import ZeroGrads, ZeroRows, partitioned
 
 __all__ = ["DeepSpeedAdapter", "claim", "is_engine"]
 
@@ -63,6 +64,13 @@ KEEP_WARNING = (
     "and their layer-output gradients kept).")
 
 
+LOOSE_WARNING = (
+    "graddebug: {params} require a gradient but the engine's ZeRO optimizer does not hold "
+    "them (they are not in its parameter groups), so their p.grad is this rank's own, never "
+    "reduced over the ranks; they get no row. Hand every trainable parameter to the "
+    "optimizer, or freeze them (requires_grad_(False)).")
+
+
 def is_engine(target: object) -> bool:
     """Whether ``target`` is a ``deepspeed.DeepSpeedEngine`` (checked only once the user
     imported DeepSpeed)."""
@@ -75,7 +83,7 @@ def _zero_partitioned(module: Any) -> bool:
     parameters = getattr(module, "parameters", None)
     if not callable(parameters):
         return False
-    return any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in parameters())
+    return any(partitioned(p) for p in parameters())
 
 
 def claim(target: object) -> type[DeepSpeedAdapter] | None:
@@ -138,12 +146,22 @@ class DeepSpeedAdapter(TorchAdapter):
                 "step; build it with an optimizer (deepspeed.initialize(..., optimizer=...) or "
                 "the config's \"optimizer\"), or watch(engine.module) for forward/backward "
                 "passes without ZeRO.")
+        stage = int(model.zero_optimization_stage())
+        if stage not in (1, 2, 3):
+            raise ConfigError(
+                f"watch(engine): this DeepSpeed engine runs ZeRO stage {stage}; graddebug reads "
+                "the gradients of ZeRO stages 1, 2 and 3 from their partitions, and stage 0 is "
+                "not covered. In fp32 without ZeRO the engine averages p.grad as DDP does: "
+                "watch(engine.module) and call dbg.step() after engine.backward() at each "
+                "accumulation boundary, before engine.step().")
         index = _EngineIndex(model.module)
         super().__init__(context, model.module, params, options, index=index)
         self._engine = model
-        self._zero = ZeroGrads(model.optimizer, index.watched,
-                               full=options.param_stats == "full")
-        self._kept = sorted({p.layer for p in index.watched if p.keep})
+        held = [p for p in index.watched if partitioned(p.param)]
+        self._loose = [f"{p.layer}.{p.tensor}" for p in index.watched
+                       if p.param.requires_grad and not partitioned(p.param)]
+        self._zero = ZeroGrads(model.optimizer, held, full=options.param_stats == "full")
+        self._kept = sorted({p.layer for p in held if p.keep})
         self._closing = False
 
     def attach(self) -> None:
@@ -158,6 +176,9 @@ class DeepSpeedAdapter(TorchAdapter):
                 lambda name: name in layers and layers[name].channels_first,
                 self._ctx.warn_once, self._zero, self._param_depth)
             self._watch.layouts = self._ranks.layouts
+        if self._loose:
+            self._ctx.warn_once("deepspeed-loose", LOOSE_WARNING.format(
+                params=", ".join(self._loose[:5]) + (", ..." if len(self._loose) > 5 else "")))
         if self._kept:
             self._ctx.warn_once("deepspeed-keep", KEEP_WARNING.format(
                 layers=", ".join(repr(n) for n in self._kept)))
@@ -174,6 +195,8 @@ class DeepSpeedAdapter(TorchAdapter):
                 with self._fail_open("DeepSpeed partitions"):
                     self._zero.read()
             out = update(*args, **kwargs)
+            with self._fail_open("DeepSpeed clip"):
+                self._zero.clipped()
             self._closing = True
             try:
                 ctx.watcher.step()

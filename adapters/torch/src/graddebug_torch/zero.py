@@ -14,11 +14,14 @@ fp32 copy of every parameter):
 
 - ZeRO-3 (a parameter with ``ds_id``): ``optimizer.get_local_fp32_grad_for_param(p)``, this
   rank's slice of the flat parameter, whose padding past ``p.ds_numel`` is cut off;
-- ZeRO-1 and -2, and DeepSpeed's bf16 optimizer (a parameter with ``_hp_mapping``): the
-  fragment ``p._hp_mapping.get_lp_grad_fragment(p._index_in_param_group)`` of the averaged
-  gradients (narrowed to the fragment's address where the optimizer keeps the whole
-  parameter's buffer); a parameter whose mapping is None has no piece on this rank;
-- ZeRO off (neither): ``p.grad``, which the engine's all-reduce averaged on every rank, whole.
+- ZeRO-1 and -2 (a parameter with ``_hp_mapping``): the fragment
+  ``p._hp_mapping.get_lp_grad_fragment(p._index_in_param_group)`` of the averaged gradients
+  (narrowed to the fragment's address where the optimizer keeps the whole parameter's
+  buffer); a parameter whose mapping is None has no piece on this rank.
+
+A parameter with neither mark is not held by the ZeRO optimizer (left out of its parameter
+groups): its ``p.grad`` is this rank's unreduced gradient, and it gets no row (the engine's
+adapter warns once, naming it).
 
 The loss scale (fp16) is divided out. Sums of squares and sums are taken in fp32 for bf16 and
 fp16 pieces (:func:`graddebug_torch.stats.acc_dtype`). A parameter whose post-accumulate hook
@@ -44,11 +47,10 @@ from graddebug_torch.params import ParamRow, TorchParam
 from graddebug_torch.sharding import RankRows
 from graddebug_torch.stats import acc_dtype, square_sum, whole_absmax
 
-__all__ = ["ZeroGrads", "ZeroRows", "local_piece"]
+__all__ = ["ZeroGrads", "ZeroRows", "local_piece", "logical_shape", "partitioned"]
 
 _PARAMETER = Kind.PARAMETER.value
 _NO_GRAD = EventKind.NO_GRAD.value
-_MISSING = object()
 
 Key = tuple[str, str]
 
@@ -60,46 +62,50 @@ def logical_shape(param: Tensor) -> tuple[int, ...]:
     return tuple(shape) if shape is not None else tuple(param.shape)
 
 
-def local_piece(param: Any, optimizer: Any) -> tuple[Tensor | None, bool]:
-    """This rank's piece of ``param``'s averaged gradient, flat, and whether it is the whole
-    gradient (ZeRO off); None where this rank holds no piece.
+def partitioned(param: Any) -> bool:
+    """Whether a ZeRO optimizer keeps ``param``'s gradient in its partitions (a parameter it
+    does not hold keeps an unreduced gradient on ``p.grad``, which no row may show)."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def local_piece(param: Any, optimizer: Any) -> Tensor | None:
+    """This rank's piece of a :func:`partitioned` parameter's averaged gradient, flat; None
+    where this rank holds no piece.
 
     Args:
         param: A parameter of the engine's module.
         optimizer: The engine's optimizer (``engine.optimizer``).
     """
     if hasattr(param, "ds_id"):  # ZeRO-3
-        grad = optimizer.get_local_fp32_grad_for_param(param)
+        grad: Tensor | None = optimizer.get_local_fp32_grad_for_param(param)
         if grad is None:
-            return None, False
+            return None
         flat = grad.reshape(-1)
         import torch.distributed as dist
 
         start = dist.get_rank(group=param.ds_process_group) * flat.numel()
         size = max(0, min(flat.numel(), int(param.ds_numel) - start))  # padding cut off
-        return flat.narrow(0, 0, size), False
-    mapping: Any = getattr(param, "_hp_mapping", _MISSING)
-    if mapping is not _MISSING:  # ZeRO-1/2, bf16 optimizer
-        if mapping is None:
-            return None, False
-        fragment = mapping.get_lp_grad_fragment(param._index_in_param_group)
-        flat = fragment.reshape(-1)
-        address = mapping.lp_fragment_address
-        if flat.numel() == param.numel() and int(address.numel) < param.numel():
-            flat = flat.narrow(0, int(address.start), int(address.numel))
-        return flat, False
-    grad = param.grad
-    return (grad.reshape(-1) if grad is not None else None), True
+        return flat.narrow(0, 0, size)
+    mapping: Any = getattr(param, "_hp_mapping", None)  # ZeRO-1/2
+    if mapping is None:  # no fragment on this rank
+        return None
+    fragment: Tensor = mapping.get_lp_grad_fragment(param._index_in_param_group)
+    flat = fragment.reshape(-1)
+    address = mapping.lp_fragment_address
+    if flat.numel() == param.numel() and int(address.numel) < param.numel():
+        flat = flat.narrow(0, int(address.start), int(address.numel))
+    return flat
 
 
 @dataclass(slots=True)
 class _Reading:
     """The pieces of one update, reduced on the device before the optimizer's step."""
 
-    held: list[tuple[int, int, bool]]  # (index in params, piece numel, whole)
+    held: list[tuple[int, int]]  # (index in params, piece numel)
     stats: Tensor | None  # [held, 3] float64: sum of squares, sum, absmax
     seen: frozenset[int]  # params that got a gradient in some micro-batch
     scale: float  # the loss scale, divided out
+    clip: float = math.nan  # what the optimizer's clip multiplied the gradients by
 
 
 class ZeroGrads:
@@ -146,19 +152,33 @@ class ZeroGrads:
     def read(self) -> None:
         """Reduce every local piece on the device (called right before the optimizer's step,
         which consumes the partitions)."""
-        held: list[tuple[int, int, bool]] = []
+        held: list[tuple[int, int]] = []
         parts: list[Tensor] = []
         for index in sorted(self._seen):
-            piece, whole = local_piece(self.params[index].param, self._optimizer)
+            piece = local_piece(self.params[index].param, self._optimizer)
             if piece is None or piece.numel() == 0:
                 continue
             acc = acc_dtype(piece)
             parts.append(torch.stack([square_sum(piece).to(acc), piece.sum(dtype=acc),
                                       whole_absmax(piece).to(acc)]).double())
-            held.append((index, piece.numel(), whole))
+            held.append((index, piece.numel()))
         scale = float(getattr(self._optimizer, "loss_scale", 1.0) or 1.0)
         self._reading = _Reading(held, torch.stack(parts) if parts else None,
                                  frozenset(self._seen), scale)
+
+    def clipped(self) -> None:
+        """Learn the factor the optimizer's update clipped the gradients by (called right
+        after the update): DeepSpeed's ``gradient_clipping`` (1.0 unless configured) scales
+        every gradient by ``1 / max(1, (norm + 1e-6) / clip)``, ``norm`` the global one it
+        computed, so that ``clipped_norm`` is the gradient the optimizer applied."""
+        reading, optimizer = self._reading, self._optimizer
+        limit = float(getattr(optimizer, "clip_grad", 0.0) or 0.0)
+        norm = getattr(optimizer, "_global_grad_norm", None)
+        if reading is None or limit <= 0.0 or norm is None:
+            return
+        total = float(norm)
+        if math.isfinite(total):
+            reading.clip = 1.0 / max(1.0, (total + 1e-6) / limit)
 
     def add_to(self, step: int, result: StepResult,
                depth_of: Callable[[TorchParam], int]) -> StepResult:
@@ -177,23 +197,21 @@ class ZeroGrads:
         values = reading.stats.tolist() if reading.stats is not None else []
         records = list(result.records)
         events = list(result.events)
-        for (index, numel, whole), (sq, total, absmax) in zip(reading.held, values,
-                                                             strict=True):
+        for (index, numel), (sq, total, absmax) in zip(reading.held, values, strict=True):
             p = self.params[index]
-            records.append(self._record(step, p, depth_of(p), numel, whole,
-                                        (sq, total, absmax), reading.scale))
+            records.append(self._record(step, p, depth_of(p), numel, (sq, total, absmax),
+                                        reading.scale, reading.clip))
         for index, p in enumerate(self.params):
             if p.param.requires_grad and index not in reading.seen:
                 events.append(Event(step, p.layer, p.tensor, depth_of(p), _NO_GRAD))
         return replace(result, records=records, events=events)
 
-    def _record(self, step: int, p: TorchParam, depth: int, numel: int, whole: bool,
-                sums: tuple[float, float, float], scale: float) -> Record:
-        """The row of one piece, and its share."""
+    def _record(self, step: int, p: TorchParam, depth: int, numel: int,
+                sums: tuple[float, float, float], scale: float, clip: float) -> Record:
+        """The row of one piece, and its share (a piece that is the whole tensor is whole)."""
         sq, total, absmax = sums[0] / (scale * scale), sums[1] / scale, sums[2] / scale
         shape = logical_shape(p.param)
-        size = math.prod(shape)
-        whole = whole or numel == size
+        whole = numel == math.prod(shape)
         self.shares[(p.layer, p.tensor)] = WHOLE if whole else Share(shape=str(shape))
         nan, inf = math.isnan(absmax), math.isinf(absmax)
         norm = math.sqrt(sq) if sq >= 0 else math.nan
@@ -201,7 +219,7 @@ class ZeroGrads:
         return sums_record(step, p.layer, p.tensor, _PARAMETER, depth,
                            str(shape) if whole else str((numel,)), numel, norm,
                            total if full else math.nan, absmax if full else math.nan,
-                           math.nan, nan, inf)
+                           math.nan, nan, inf, math.nan, 0, math.nan, math.nan, norm * clip)
 
 
 class ZeroRows(RankRows):
