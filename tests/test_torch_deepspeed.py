@@ -43,6 +43,7 @@ STEPS = 3
 LR = 0.1
 LEAVES = ("inp", "mid", "side", "head")
 CLIP = 1.0  # DeepSpeed's default gradient_clipping: every update here is clipped
+MID_SCALE = 0.5
 STAGES = (1, 2, 3)
 
 
@@ -90,10 +91,12 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # -- the one-process reference, with no graddebug --------------------------------------------
 
 
-def reference_run() -> dict[str, Any]:
+def reference_run(mid_scale: float | None = None) -> dict[str, Any]:
     """Train :class:`Net` with SGD on the global batches in one process, clipping the
     gradients' global norm as DeepSpeed does: every parameter gradient's norm, mean, absmax
-    and norm after the clip, and the norm of the gradient at each leaf's output."""
+    and norm after the clip, and the norm of the gradient at each leaf's output (``mid``'s
+    multiplied by ``mid_scale`` first, where given, as ``intervene={"mid": {"scale": ...}}``
+    does)."""
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     modules = dict(model.named_modules())
@@ -104,6 +107,8 @@ def reference_run() -> dict[str, Any]:
         for name in LEAVES:
             def hook(module: nn.Module, args: Any, out: torch.Tensor, name: str = name,
                      step: int = step) -> None:
+                if name == "mid" and mid_scale is not None:
+                    out.register_hook(lambda grad: grad * mid_scale)
                 out.register_hook(lambda grad: outputs.__setitem__(
                     (step, name), float(grad.double().norm())))
             handles.append(modules[name].register_forward_hook(hook))
@@ -217,6 +222,20 @@ def _zero(stage: int, rank: int, out: Path) -> dict[str, Any]:
             "module_refused": _raised(lambda: graddebug.watch(watched.module))}
 
 
+def _scaled(rank: int) -> dict[str, Any]:
+    """ZeRO-2 with an intervention on a layer output; an engine without ZeRO, refused."""
+    engine = _engine(net(), 2, False)
+    with graddebug.watch(engine, intervene={"mid": {"scale": MID_SCALE}},
+                         param_stats="full") as dbg:
+        _train(engine, rank)
+    stage0 = _engine(net(), 0, False)
+
+    def enter() -> None:
+        with graddebug.watch(stage0):
+            pass
+    return {"frame": _rows(dbg.frame()), "stage0_refused": _raised(enter)}
+
+
 def _bf16(stage: int, rank: int) -> dict[str, Any]:
     """Rows of a bf16 engine, and their float64 truth from what DeepSpeed holds."""
     from deepspeed.utils import safe_get_full_grad
@@ -252,6 +271,7 @@ def _scenarios(rank: int, world: int, out: Path) -> None:
     results = Results(out, rank)
     for stage in STAGES:
         results.phase(f"zero{stage}", lambda stage=stage: _zero(stage, rank, out))
+    results.phase("scaled", lambda: _scaled(rank))
     for stage in STAGES:
         results.phase(f"bf16_{stage}", lambda stage=stage: _bf16(stage, rank))
 
@@ -336,6 +356,23 @@ def test_zero_refuses_dbg_step_and_the_engines_module(spawned: Spawned, stage: i
         assert kind == "EngineStepError" and "engine.step()" in message
         kind, message = found["module_refused"]
         assert kind == "ConfigError" and "graddebug.watch(engine)" in message
+
+
+@pytest.mark.slow
+def test_an_intervention_on_a_layer_output_acts_as_in_one_process(spawned: Spawned) -> None:
+    reference = reference_run(mid_scale=MID_SCALE)
+    for rank, found in enumerate(spawned.phase("scaled")):
+        _check_rows(found["frame"], reference, f"scaled, rank {rank}")
+        for r in found["frame"]:
+            if r["layer"] == "mid" and r["kind"] == "activation":
+                assert r["pre_norm"] == pytest.approx(r["norm"] / MID_SCALE, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_an_engine_without_zero_is_refused(spawned: Spawned) -> None:
+    for found in spawned.phase("scaled"):
+        kind, message = found["stage0_refused"]
+        assert kind == "ConfigError" and "stage 0" in message
 
 
 # -- bf16 --------------------------------------------------------------------------------------
