@@ -127,7 +127,8 @@ class DeepSpeedAdapter(TorchAdapter):
         options: The validated ``watch`` options.
 
     Raises:
-        ConfigError: ``optimizer=`` or ``scaler=`` was given, or the engine has no optimizer.
+        ConfigError: ``optimizer=`` or ``scaler=`` was given, the engine has no optimizer,
+            or it runs without ZeRO (stage 0).
     """
 
     capabilities = TorchAdapter.capabilities | {ReadAhead}
