@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from graddebug.adapter.ranks import WHOLE, RankCombiner, Share
+from graddebug.adapter.ranks import WHOLE, Partial, RankCombiner, Share
 from graddebug.records import ALL_RANKS, Record, sums_record
 
 
@@ -223,3 +223,38 @@ def test_batch_split_dead_units_are_bounded_by_the_fewest_dead() -> None:
     rows, _ = run_ranks(2, lambda rank, step: [(measured([a, b][rank]), share)])
     assert rows[0][0][0].zero_frac == pytest.approx(1 / 4)
 
+
+
+def test_partial_addends_travel_in_the_one_collective_and_sum_to_the_piece() -> None:
+    # A gradient held as a sum over the ranks (a Partial placement): ranks 0 and 1 hold
+    # addends of one piece, ranks 2 and 3 of the other half of the tensor.
+    halves = [RNG.normal(size=6), RNG.normal(size=6)]
+    addends = {}
+    for piece, half in enumerate(halves):
+        first = RNG.normal(size=6)
+        addends[2 * piece], addends[2 * piece + 1] = first, half - first
+    truth = np.concatenate(halves)
+
+    def rows_of(rank: int, step: int) -> list[tuple[Record, Share]]:
+        junk = measured(np.zeros((6,)), "ln", "weight", "parameter", unit_axis=None)
+        return [(junk, Share(shape=str(truth.shape),
+                             partial=Partial(2 * (rank // 2), addends[rank])))]
+
+    rows, group = run_ranks(4, rows_of, n_steps=2)
+    for rank_rows in rows:
+        for step_rows in rank_rows:
+            (row,) = step_rows
+            check_row(row, truth)
+    assert group.calls == 2 + 1  # the addends ride on the step's one gather
+
+
+def test_partial_sums_are_rounded_as_the_reduction_rounds_them() -> None:
+    addends = [np.array([1.0, 2.0]), np.array([1e-9, 0.5])]
+
+    def rows_of(rank: int, step: int) -> list[tuple[Record, Share]]:
+        junk = measured(np.zeros((2,)), "ln", "bias", "parameter", unit_axis=None)
+        return [(junk, Share(partial=Partial(0, addends[rank], np.round)))]
+
+    rows, _ = run_ranks(2, rows_of)
+    assert rows[0][0][0].absmax == 2.0  # round(2.5) to even: the sum as the dtype holds it
+    assert rows[0][0][0].norm == pytest.approx(math.sqrt(1.0 + 4.0))

@@ -32,7 +32,7 @@ of that step are dropped on every rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,9 +40,28 @@ import numpy as np
 
 from graddebug.records import ALL_RANKS, Record, sums_record
 
-__all__ = ["WHOLE", "Collective", "RankCombiner", "Share"]
+__all__ = ["WHOLE", "Collective", "Partial", "RankCombiner", "Share"]
 
 Key = tuple[str, str, str]
+
+
+@dataclass(frozen=True, eq=False)
+class Partial:
+    """This rank's addend of a gradient held as a sum over ranks, not yet reduced (a
+    ``Partial`` placement): its values, summed with those of the other ranks of its group,
+    are the piece.
+
+    Attributes:
+        group: The group's label, the same on every rank whose addends add up to one piece
+            (its lowest rank, say).
+        values: This rank's addend, flat, in float64.
+        rounding: Rounds a sum to the gradient's own precision, as the reduction the
+            optimizer's gradient comes from would (None for float32 and wider).
+    """
+
+    group: int
+    values: np.ndarray
+    rounding: Callable[[np.ndarray], np.ndarray] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +84,9 @@ class Share:
         split_dim: A dimension the ranks split further (the batch, under data parallelism):
             the global shape is :attr:`shape` with that dimension set so that the shape holds
             the combined number of elements.
+        partial: The piece is a sum over the ranks of a group, of which this rank holds an
+            addend (small gradients only: its values travel in the collective); the row's
+            own numbers are then ignored.
     """
 
     whole: bool = False
@@ -73,6 +95,7 @@ class Share:
     units_split: bool = False
     shape: str | None = None
     split_dim: int | None = None
+    partial: Partial | None = None
 
 
 WHOLE = Share(whole=True)
@@ -92,14 +115,15 @@ class Collective(Protocol):
 
 # The columns of one row in the gathered vector.
 (_HELD, _COUNTED, _WHOLE, _DEPTH, _NUMEL, _SQ, _TOTAL, _ABSMAX, _NAN, _INF, _ZERO, _UNITS_SPLIT,
- _PRE, _WEIGHT, _UPDATE, _CLIPPED) = range(16)
-_WIDTH = 16
+ _PRE, _WEIGHT, _UPDATE, _CLIPPED, _GROUP) = range(17)
+_WIDTH = 17
 _HEADER = 2  # the rank lacks keys or shapes of the union (1); the rank's deepest depth
 _FAILED = -2.0  # the second header column of a rank whose numbers failed to assemble
 
 # What the exchange tells the other ranks of one row: its key, its global shape (where the
-# adapter knows it) or its local one, and the dimension the pieces split.
-_Described = tuple[Key, str, "int | None"]
+# adapter knows it) or its local one, the dimension the pieces split, and how many values of
+# a partial addend it sends.
+_Described = tuple[Key, str, "int | None", int]
 
 
 class RankCombiner:
@@ -114,7 +138,11 @@ class RankCombiner:
         self._keys: list[Key] = []
         self._index: dict[Key, int] = {}
         self._shapes: dict[Key, tuple[str, int | None]] = {}  # the lowest holder's
-        self._sent: dict[Key, str] = {}  # the shapes this rank sent in the last exchange
+        self._sent: dict[Key, tuple[str, int]] = {}  # what this rank sent in the last exchange
+        self._extra: dict[Key, int] = {}  # values a partial row's addends send
+        self._spans: dict[int, slice] = {}  # where each partial row's values lie, by row
+        self._rounding: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
+        self._width = 0  # all of them
         self.collectives = 0
         """Collectives made so far (the cost a test counts)."""
 
@@ -138,9 +166,11 @@ class RankCombiner:
         """
         local = ({(r.layer, r.tensor, r.kind): (r, s)
                   for r, s in zip(records, shares, strict=True)} if shares is not None else {})
-        described = [(key, share.shape or record.shape, share.split_dim)
+        described = [(key, share.shape or record.shape, share.split_dim,
+                      share.partial.values.size if share.partial is not None else 0)
                      for key, (record, share) in local.items()]
-        lacking = any(self._sent.get(key) != shape for key, shape, _ in described)
+        lacking = any(self._sent.get(key) != (shape, extra)
+                      for key, shape, _, extra in described)
         failure: Exception | None = None
         if not self._keys:  # the first step on every rank: no layout to fill yet
             self._exchange(described)
@@ -161,41 +191,61 @@ class RankCombiner:
         everyone = self._collective.all_gather_object(described)
         self.collectives += 1
         shapes: dict[Key, tuple[str, int | None]] = {}
+        extra: dict[Key, int] = {}
         for rank_rows in everyone:
-            for key, shape, split_dim in rank_rows:
+            for key, shape, split_dim, n in rank_rows:
                 key = tuple(key)
                 shapes.setdefault(key, (shape, split_dim))
+                extra[key] = max(extra.get(key, 0), n)
                 if key not in self._index:
                     self._index[key] = len(self._keys)
                     self._keys.append(key)
         self._shapes.update(shapes)
-        self._sent = {key: shape for key, shape, _ in described}
+        self._extra.update(extra)
+        self._sent = {key: (shape, n) for key, shape, _, n in described}
+        self._spans, start = {}, 0
+        for at, key in enumerate(self._keys):
+            n = self._extra.get(key, 0)
+            if n:
+                self._spans[at] = slice(start, start + n)
+                start += n
+        self._width = start
 
     def _gather(self, local: dict[Key, tuple[Record, Share]], failed: bool,
                 lacking: bool = False) -> tuple[np.ndarray, Exception | None]:
         """Every rank's vector in the union's layout, as ``[world, header + rows x width]``,
         and what failed while this rank filled its own (it takes part all the same)."""
         values = np.zeros((len(self._keys), _WIDTH))
+        extras = np.zeros(self._width)
         deepest = -1.0
         failure: Exception | None = None
         try:
             for key, (record, share) in local.items():
                 at = self._index.get(key)
-                if at is not None:
-                    _fill(values[at], record, share)
-                    deepest = max(deepest, float(record.depth))
+                if at is None:
+                    continue
+                _fill(values[at], record, share)
+                deepest = max(deepest, float(record.depth))
+                span = self._spans.get(at)
+                if share.partial is not None and span is not None:
+                    extras[span] = share.partial.values
+                    if share.partial.rounding is not None:
+                        self._rounding[at] = share.partial.rounding
         except Exception as exc:  # the collective must still run on every rank
             failure, failed = exc, True
             values[:] = 0.0
         header = [1.0 if lacking else 0.0, _FAILED if failed else deepest]
-        payload = np.concatenate([np.array(header), values.reshape(-1)])
+        payload = np.concatenate([np.array(header), values.reshape(-1), extras])
         self.collectives += 1
         return np.asarray(self._collective.all_gather(payload), dtype=np.float64), failure
 
     def _rows(self, step: int, gathered: np.ndarray) -> list[Record]:
         """The global rows from every rank's vector."""
-        world = gathered.shape[0]
-        rows = gathered[:, _HEADER:].reshape(world, len(self._keys), _WIDTH)
+        world, n = gathered.shape[0], len(self._keys)
+        rows = gathered[:, _HEADER:_HEADER + n * _WIDTH].reshape(world, n, _WIDTH)
+        extras = gathered[:, _HEADER + n * _WIDTH:]
+        for partial, span in self._spans.items():
+            _settle(rows[:, partial], extras[:, span], self._rounding.get(partial))
         held = rows[..., _HELD] > 0
         counted = rows[..., _COUNTED] > 0
         # Each rank's layers come after those of the lower ranks that hold other layers.
@@ -239,6 +289,33 @@ class RankCombiner:
         return _record(step, key, depth, shape, combined, birth)
 
 
+def _settle(values: np.ndarray, addends: np.ndarray,
+            rounding: Callable[[np.ndarray], np.ndarray] | None) -> None:
+    """Turn the addends of a partial row into its pieces: each group's addends summed, the
+    sum measured into the row of the group's lowest rank, the others not counted.
+
+    Args:
+        values: The row's columns on every rank, ``[world, width]`` (changed in place).
+        addends: Every rank's addend, ``[world, n]``.
+        rounding: Rounds a sum to the gradient's precision, or None.
+    """
+    counted = values[:, _COUNTED] > 0
+    partial = values[:, _GROUP] > 0
+    for group in np.unique(values[counted & partial, _GROUP]):
+        members = np.flatnonzero(counted & partial & (values[:, _GROUP] == group))
+        piece = addends[members].sum(axis=0)
+        if rounding is not None:
+            piece = rounding(piece)
+        lead = values[members[0]]
+        lead[_NUMEL] = piece.size
+        lead[_SQ] = float(piece @ piece)
+        lead[_TOTAL] = float(piece.sum())
+        lead[_ABSMAX] = float(np.abs(piece).max()) if piece.size else -math.inf
+        lead[_NAN] = float(np.isnan(piece).any())
+        lead[_INF] = float(np.isinf(piece).any())
+        values[members[1:], _COUNTED] = 0.0
+
+
 def _dims(shape: str) -> list[int]:
     """The dimensions of a shape written as ``str(tuple)``."""
     return [int(d) for d in shape.strip("()").split(",") if d.strip()]
@@ -277,9 +354,12 @@ def _fill(row: np.ndarray, record: Record, share: Share) -> None:
     row[_ZERO] = record.zero_frac
     row[_UNITS_SPLIT] = 1.0 if share.units_split else 0.0
     row[_PRE] = pre * pre
-    row[_WEIGHT] = record.weight_norm ** 2
-    row[_UPDATE] = record.update_norm ** 2
+    if record.numel:  # an empty piece has no weights to sample: it adds nothing
+        row[_WEIGHT] = record.weight_norm ** 2
+        row[_UPDATE] = record.update_norm ** 2
     row[_CLIPPED] = clipped * clipped
+    if share.partial is not None:
+        row[_GROUP] = share.partial.group + 1.0
 
 
 def _record(step: int, key: Key, depth: int, shape: str, v: np.ndarray,

@@ -27,7 +27,7 @@ from graddebug_torch.captures import (
     kept_array,
     shape_text,
 )
-from graddebug_torch.distributed import local_slice, whole
+from graddebug_torch.distributed import local_slice, summed_by_ranks, whole
 from graddebug_torch.params import ParamRow
 from graddebug_torch.rows import activation_row, param_record
 from graddebug_torch.staging import GroupStats, SmallGrads, StagedGroup
@@ -349,8 +349,9 @@ class _Parameters:
 
 def _measured(p: ParamRow) -> Tensor:
     """The gradient a parameter's row measures: this rank's slice of a sharded one."""
-    assert p.grad is not None
-    return local_slice(p.grad) if p.sharded else p.grad
+    grad = p.grad
+    assert grad is not None
+    return local_slice(grad, reduce=not summed_by_ranks(grad)) if p.sharded else grad
 
 
 class _ForwardReads:

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from graddebug.adapter import Distribution
 
-__all__ = ["ShardedMarks", "distribution", "is_sharded", "local_slice", "replicated_like",
-           "whole"]
+__all__ = ["PARTIAL_LIMIT", "ShardedMarks", "distribution", "is_sharded", "local_slice",
+           "replicated_like", "summed_by_ranks", "whole"]
 
 _MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # torch >= 2.4; older
 
@@ -110,10 +110,25 @@ def _reduced(grad: Any) -> Any:
     return grad.redistribute(grad.device_mesh, placements)
 
 
-def local_slice(grad: Any) -> Tensor:
+PARTIAL_LIMIT = 1 << 16
+"""The largest ``Partial`` gradient (in entries) whose addends travel in the ranks' one
+collective (:class:`graddebug.adapter.ranks.Partial`); a larger one is reduced first, one
+collective more."""
+
+
+def summed_by_ranks(grad: Any) -> bool:
+    """Whether ``grad`` is a ``DTensor`` with ``Partial(sum)`` placements small enough for
+    its addends to travel in the ranks' one collective, unreduced."""
+    return (is_sharded(grad) and any(p.is_partial() for p in grad.placements)
+            and all(getattr(p, "reduce_op", "sum") == "sum" for p in grad.placements
+                    if p.is_partial())
+            and grad.to_local().numel() <= PARTIAL_LIMIT)
+
+
+def local_slice(grad: Any, reduce: bool = True) -> Tensor:
     """This rank's slice of a sharded gradient, as dense values (``Partial`` placements
-    reduced first)."""
-    local: Tensor = _reduced(grad).to_local()
+    reduced first, unless ``reduce`` is False: then this rank's addend)."""
+    local: Tensor = (_reduced(grad) if reduce else grad).to_local()
     if local.is_sparse:
         local = local.coalesce().values()
     return local

@@ -25,6 +25,7 @@ module without parameters) gives no row and one warning naming the layer: never 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -35,10 +36,10 @@ import torch
 from torch import Tensor
 
 from graddebug.adapter import StepResult
-from graddebug.adapter.ranks import WHOLE, RankCombiner, Share
+from graddebug.adapter.ranks import WHOLE, Partial, RankCombiner, Share
 from graddebug.capture.layers import LayerSpec
 from graddebug.records import Kind, Record
-from graddebug_torch.distributed import is_sharded
+from graddebug_torch.distributed import is_sharded, summed_by_ranks
 from graddebug_torch.outputs import unit_dim
 from graddebug_torch.params import ParamRow, TorchParam
 
@@ -179,15 +180,19 @@ def _coordinate_zero(mesh: Any, dims: Iterable[int]) -> bool:
 
 
 def _piece_share(layout: Layout, scale: float, unit_dim: int | None,
-                 batch_split: bool) -> Share | str:
-    """The share of a slice of a tensor of ``layout``."""
+                 batch_split: bool, partial_copies: bool = True) -> Share | str:
+    """The share of a slice of a tensor of ``layout``: replicated mesh dimensions (and
+    reduced ``Partial`` ones, unless ``partial_copies`` is False) hold copies."""
     ndim = len(layout.shape)
     copies: list[int] = []
     units_split = False
     for dim, placement in enumerate(layout.placements):
+        if placement.is_partial() and not partial_copies:
+            continue
         if placement.is_replicate() or placement.is_partial():
             copies.append(dim)
-        elif placement.is_shard():  # Shard, or FSDP's _StridedShard: disjoint pieces alike
+        elif placement.is_shard() or type(placement).__name__ == "_StridedShard":
+            # FSDP's strided split of a tensor-parallel slice: disjoint pieces all the same
             units_split |= unit_dim is not None and placement.dim % ndim == unit_dim % ndim
         else:
             return f"placement {placement!r} of a gradient is not supported"
@@ -207,13 +212,39 @@ def param_share(grad: Any, world: int, data_parallel: bool = True) -> Share | st
     if not is_sharded(grad):
         return WHOLE
     layout = Layout(grad.device_mesh, tuple(grad.placements), tuple(grad.shape))
-    share = _piece_share(layout, 1.0, None, batch_split=False)
+    addend = summed_by_ranks(grad)
+    share = _piece_share(layout, 1.0, None, batch_split=False, partial_copies=not addend)
     if isinstance(share, str) or not share.counted:
         return share
+    if addend:
+        share = replace(share, partial=_addend(grad, layout))
     mesh = layout.mesh
     if data_parallel and mesh.size() < world and 0 not in mesh.mesh.flatten().tolist():
         return Share(counted=False, shape=share.shape)
     return share
+
+
+def _addend(grad: Any, layout: Layout) -> Partial:
+    """This rank's addend of a ``Partial`` gradient, and its group: the ranks that share
+    its coordinates on every mesh dimension that is not ``Partial``."""
+    mesh = layout.mesh
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if p.is_partial() else coordinate[d]
+                  for d, p in enumerate(layout.placements))
+    group = int(mesh.mesh[index].min())
+    local = grad.to_local().detach()
+    values = local.to("cpu", torch.float64).numpy().ravel()
+    return Partial(group, values, None if local.dtype in _EXACT else functools.partial(
+        _rounded, dtype=local.dtype))
+
+
+_EXACT = (torch.float32, torch.float64)
+
+
+def _rounded(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """``values`` rounded to ``dtype`` (bfloat16, float16) and back to float64."""
+    out: np.ndarray = torch.from_numpy(values).to(dtype).double().numpy()
+    return out
 
 
 class TorchCollective:
