@@ -258,3 +258,36 @@ def test_partial_sums_are_rounded_as_the_reduction_rounds_them() -> None:
     rows, _ = run_ranks(2, rows_of)
     assert rows[0][0][0].absmax == 2.0  # round(2.5) to even: the sum as the dtype holds it
     assert rows[0][0][0].norm == pytest.approx(math.sqrt(1.0 + 4.0))
+
+
+def test_a_stages_events_reach_every_rank_with_one_exchange() -> None:
+    from graddebug.records import Event
+
+    g = RNG.normal(size=(2, 2))
+
+    def rows_of(rank: int, step: int) -> list[tuple[Record, Share]]:
+        return [(measured(g, f"stage{rank}", depth=0), WHOLE)]
+
+    group = Threads(2)
+    seen: list[list[list[Event]]] = [[], []]
+
+    def work(rank: int) -> None:
+        combiner = RankCombiner(group.for_rank(rank), rank)
+        for step in range(4):
+            cut = [Event(step, "stage1", "output", 0, "detached_output")] if rank == 1 else []
+            rows = rows_of(rank, step)
+            combiner.combine(step, [r for r, _ in rows], [s for _, s in rows], cut)
+            seen[rank].append(combiner.peer_events)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # Rank 0 sees rank 1's cut at every step, at that step, with rank 1's depth in the
+    # model's order (after rank 0's layer); rank 1 sees nothing new.
+    assert [[(e.step, e.layer, e.rank, e.depth) for e in step] for step in seen[0]] == [
+        [(s, "stage1", 1, 1)] for s in range(4)]
+    assert all(step == [] for step in seen[1])
+    # The keys and the events are exchanged once, on the first step: 3 + 3 single gathers.
+    assert group.calls == 3 + 3

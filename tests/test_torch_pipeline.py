@@ -352,8 +352,6 @@ def test_gpipe_findings_are_those_of_one_process(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a stage's events (the cut at blocks.1.0) stay on its "
-                   "rank: the ranks exchange rows, not events")
 def test_gpipe_findings_of_every_rank_are_those_of_one_process(
         spawned: Spawned, single_findings: set[tuple[int, str, str, str]]) -> None:
     for rank in spawned.phase("gpipe"):

@@ -113,6 +113,9 @@ class StepResult:
     records: list[Record] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     kept: dict[str, np.ndarray] = field(default_factory=dict)
+    peer_events: list[Event] = field(default_factory=list)
+    """The events other ranks recorded at this step (:mod:`graddebug.adapter.rankevents`),
+    for this process's live findings; each rank writes only its own :attr:`events`."""
     shared: bool = False
     """The records combine every rank already (:mod:`graddebug.adapter.ranks`): each carries
     its own ``rank``, every rank holds the same, and only rank 0 writes them to a run's

@@ -38,7 +38,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from graddebug.records import ALL_RANKS, Record, sums_record
+from graddebug.adapter.rankevents import PeerEvents, digest
+from graddebug.records import ALL_RANKS, Event, Record, sums_record
 
 __all__ = ["WHOLE", "Collective", "Partial", "RankCombiner", "Share"]
 
@@ -117,7 +118,7 @@ class Collective(Protocol):
 (_HELD, _COUNTED, _WHOLE, _DEPTH, _NUMEL, _SQ, _TOTAL, _ABSMAX, _NAN, _INF, _ZERO, _UNITS_SPLIT,
  _PRE, _WEIGHT, _UPDATE, _CLIPPED, _GROUP) = range(17)
 _WIDTH = 17
-_HEADER = 2  # the rank lacks keys or shapes of the union (1); the rank's deepest depth
+_HEADER = 3  # the rank lacks keys or shapes of the union (1); its deepest depth; its events
 _FAILED = -2.0  # the second header column of a rank whose numbers failed to assemble
 
 # What the exchange tells the other ranks of one row: its key, its global shape (where the
@@ -131,9 +132,10 @@ class RankCombiner:
 
     Args:
         collective: The process group's collectives.
+        rank: This process's rank.
     """
 
-    def __init__(self, collective: Collective) -> None:
+    def __init__(self, collective: Collective, rank: int = 0) -> None:
         self._collective = collective
         self._keys: list[Key] = []
         self._index: dict[Key, int] = {}
@@ -143,11 +145,19 @@ class RankCombiner:
         self._spans: dict[int, slice] = {}  # where each partial row's values lie, by row
         self._rounding: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
         self._width = 0  # all of them
+        self._peers = PeerEvents(rank, self._exchange_events)
+        self.peer_events: list[Event] = []
+        """The other ranks' events of the latest step (each with its rank)."""
         self.collectives = 0
         """Collectives made so far (the cost a test counts)."""
 
-    def combine(self, step: int, records: Sequence[Record], shares: Sequence[Share] | None
-                ) -> list[Record]:
+    def _exchange_events(self, told: Any) -> list[Any]:
+        """Every rank's events, when some rank's changed: a collective of its own."""
+        self.collectives += 1
+        return self._collective.all_gather_object(told)
+
+    def combine(self, step: int, records: Sequence[Record], shares: Sequence[Share] | None,
+                events: Sequence[Event] = ()) -> list[Record]:
         """The global rows of ``step`` from this rank's ``records``: one collective.
 
         Args:
@@ -156,6 +166,8 @@ class RankCombiner:
             shares: How each row relates to the global tensor, in order; None (this rank
                 failed to say) takes part in the collective and drops the step's rows on
                 every rank.
+            events: This rank's events of the step; the other ranks' are then
+                :attr:`peer_events` (:mod:`graddebug.adapter.rankevents`).
 
         Returns:
             The global rows, the same on every rank, in the union's order.
@@ -175,15 +187,18 @@ class RankCombiner:
         if not self._keys:  # the first step on every rank: no layout to fill yet
             self._exchange(described)
             lacking = False
-        gathered, failure = self._gather(local, shares is None, lacking)
+        told = (digest(events), max((e.depth for e in events), default=-1))
+        gathered, failure = self._gather(local, shares is None, told, lacking)
         if gathered[:, 0].any():  # some rank has keys or shapes the union lacks
             self._exchange(described)
-            gathered, failure = self._gather(local, shares is None)
+            gathered, failure = self._gather(local, shares is None, told)
+        self._peers.update(gathered[:, 2], events)
         if failure is not None:
             raise failure
         if (gathered[:, 1] == _FAILED).any():
+            self.peer_events = []
             return []
-        return self._rows(step, gathered)
+        return self._rows(step, gathered, events)
 
     def _exchange(self, described: list[_Described]) -> None:
         """Extend the union with every rank's keys, in rank order then each rank's order, and
@@ -212,12 +227,13 @@ class RankCombiner:
         self._width = start
 
     def _gather(self, local: dict[Key, tuple[Record, Share]], failed: bool,
-                lacking: bool = False) -> tuple[np.ndarray, Exception | None]:
+                told: tuple[float, int], lacking: bool = False
+                ) -> tuple[np.ndarray, Exception | None]:
         """Every rank's vector in the union's layout, as ``[world, header + rows x width]``,
         and what failed while this rank filled its own (it takes part all the same)."""
         values = np.zeros((len(self._keys), _WIDTH))
         extras = np.zeros(self._width)
-        deepest = -1.0
+        deepest = float(told[1])
         failure: Exception | None = None
         try:
             for key, (record, share) in local.items():
@@ -234,13 +250,13 @@ class RankCombiner:
         except Exception as exc:  # the collective must still run on every rank
             failure, failed = exc, True
             values[:] = 0.0
-        header = [1.0 if lacking else 0.0, _FAILED if failed else deepest]
+        header = [1.0 if lacking else 0.0, _FAILED if failed else deepest, told[0]]
         payload = np.concatenate([np.array(header), values.reshape(-1), extras])
         self.collectives += 1
         return np.asarray(self._collective.all_gather(payload), dtype=np.float64), failure
 
-    def _rows(self, step: int, gathered: np.ndarray) -> list[Record]:
-        """The global rows from every rank's vector."""
+    def _rows(self, step: int, gathered: np.ndarray, events: Sequence[Event]) -> list[Record]:
+        """The global rows from every rank's vector; the peers' events of the step."""
         world, n = gathered.shape[0], len(self._keys)
         rows = gathered[:, _HEADER:_HEADER + n * _WIDTH].reshape(world, n, _WIDTH)
         extras = gathered[:, _HEADER + n * _WIDTH:]
@@ -258,6 +274,9 @@ class RankCombiner:
             shift = 0 if shared else int(before[holder])
             out.append(self._row(step, self._keys[at], rows[:, at], counted[:, at], holder,
                                  shift))
+        first = {self._keys[at][0] for at in np.flatnonzero(held[0])}
+        self.peer_events = self._peers.at(step, events, lambda rank, layer: 0 if (
+            rank == 0 or layer in first) else int(before[rank]))
         return out
 
     def _row(self, step: int, key: Key, values: np.ndarray, counted: np.ndarray, holder: int,

@@ -80,8 +80,9 @@ class LiveFindings:
 
     def observe(self, step: int, result: StepResult) -> None:
         """Take a recorded step's rows: the history rules judge them now."""
-        rows = StepRows.from_records(step, result.records, result.events)
-        fresh = {(e.event, e.layer, e.tensor) for e in result.events} - self._events_seen
+        events = [*result.events, *result.peer_events] if result.peer_events else result.events
+        rows = StepRows.from_records(step, result.records, events)
+        fresh = {(e.event, e.layer, e.tensor) for e in events} - self._events_seen
         self._events_seen |= fresh
         if rows.broken:
             if self._broken_since is None:
@@ -91,7 +92,7 @@ class LiveFindings:
             self._broken_since = None
         self._latest = step
         self._alarm = self._alarm or bool(fresh)
-        self._window.append((step, list(result.records), list(result.events)))
+        self._window.append((step, list(result.records), list(events)))
         self._add(self._history.observe(rows))
 
     def observe_loss(self, step: int, row: Record) -> None:

@@ -39,7 +39,7 @@ from graddebug.adapter import StepResult
 from graddebug.adapter.ranks import WHOLE, Partial, RankCombiner, Share
 from graddebug.capture.layers import LayerSpec
 from graddebug.records import Kind, Record
-from graddebug_torch.distributed import is_sharded, summed_by_ranks
+from graddebug_torch.distributed import distribution, is_sharded, summed_by_ranks
 from graddebug_torch.outputs import unit_dim
 from graddebug_torch.params import ParamRow, TorchParam
 
@@ -296,7 +296,7 @@ class RankRows:
                  warn: Callable[[str, str], None], data_parallel: bool = True,
                  unplaced: Mapping[tuple[str, str], str] | None = None) -> None:
         self.layouts = Layouts(world, data_parallel)
-        self.combiner = RankCombiner(TorchCollective())
+        self.combiner = RankCombiner(TorchCollective(), distribution().rank)
         self._world = world
         self._channels_first = channels_first
         self._warn = warn
@@ -327,10 +327,13 @@ class RankRows:
                 shares = [s for s in found if s is not None]
         except Exception as exc:  # the collective must still run on every rank
             failure = exc
-        rows = self.combiner.combine(step, records, shares)
+        events = result.events if result is not None else []
+        combiner = self.combiner
+        rows = combiner.combine(step, records, shares, events)
         if failure is not None:
             raise failure
-        return replace(result or StepResult(), records=rows, shared=True)
+        return replace(result or StepResult(), records=rows, shared=True,
+                       peer_events=combiner.peer_events)
 
     def local(self, result: StepResult, params: Sequence[ParamRow]) -> StepResult:
         """``result`` without the rows of pieces (no collective: a rank unwinding an
