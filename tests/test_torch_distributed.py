@@ -754,3 +754,26 @@ def test_wrapped_models_have_the_names_of_one_process(group: None) -> None:
     named = _names(fsdp1, layers=["body.0", "Gained"], keep=["head"],
                    intervene={"body.2": {"scale": 1.0}})
     assert {la for la, _, _ in named} == {"body.0", "body.2", "head", "Gained"}
+
+
+def test_slices_held_as_plain_tensors_are_left_out_with_one_warning(group: None) -> None:
+    from graddebug.records import sums_record
+    from graddebug_torch.params import ParamRow, TorchParam
+    from graddebug_torch.sharding import rank_rows
+
+    megatron = nn.Parameter(torch.ones(3))
+    megatron.tensor_model_parallel = True  # type: ignore[attr-defined]
+    plain = nn.Parameter(torch.ones(2))
+    params = [TorchParam("mlp", "weight", megatron, ("mlp",)),
+              TorchParam("head", "bias", plain, ("head",))]
+    warned: list[tuple[str, str]] = []
+    ranks = rank_rows(2, {}, params, lambda key, message: warned.append((key, message)))
+    assert ranks is not None
+    rows = [ParamRow("mlp", "weight", 0, torch.ones(3), False),
+            ParamRow("head", "bias", 1, torch.ones(2), False)]
+    records = [sums_record(0, r.layer, r.tensor, "parameter", r.depth, "(3,)", 3, 1.0, 0.0,
+                           1.0, math.nan, False, False) for r in rows]
+    shares = ranks._shares(records, rows)
+    assert shares[0] is None and shares[1] is not None and shares[1].whole
+    assert len(warned) == 1 and "'mlp' (weight)" in warned[0][1]
+    assert "tensor_model_parallel" in warned[0][1]

@@ -132,7 +132,8 @@ class Layouts:
             if tuple(arg.shape) == tuple(tensor.shape):
                 return entry[1]
             if any(not p.is_replicate() for p in entry[1].placements):
-                return "a sharded input changed shape in a module without parameters"
+                return ("a module changed the shape of a slice it was given, so where its "
+                        "output's pieces lie is unknown")
         return _BATCH
 
     def shape(self, key: tuple[str, str], tensor: Tensor) -> tuple[int, ...]:
@@ -367,6 +368,19 @@ class RankRows:
 
 _FLAT = ("FSDP1 without use_orig_params=True flattens the parameters into one slice per rank; "
          "pass use_orig_params=True or use FSDP2's fully_shard")
+_PLAIN_SLICE = ("it is a tensor-parallel slice held as a plain tensor (Megatron's "
+                "tensor_model_parallel); graddebug places DTensor slices: torch's "
+                "parallelize_module makes them")
+
+
+def _unplaced(param: Tensor) -> str | None:
+    """Why a parameter's slice cannot be placed among the ranks, or None: an engine that
+    keeps its slices as plain tensors, which look whole."""
+    if type(param).__name__ == "FlatParameter":
+        return _FLAT
+    if getattr(param, "tensor_model_parallel", False):
+        return _PLAIN_SLICE
+    return None
 
 
 def rank_rows(world: int, layers: Mapping[str, LayerSpec], params: Sequence[TorchParam],
@@ -381,7 +395,7 @@ def rank_rows(world: int, layers: Mapping[str, LayerSpec], params: Sequence[Torc
     """
     if world <= 1:
         return None
-    unplaced = {(p.layer, p.tensor): _FLAT for p in params
-                if type(p.param).__name__ == "FlatParameter"}
+    unplaced = {(p.layer, p.tensor): reason for p in params
+                if (reason := _unplaced(p.param)) is not None}
     return RankRows(world, lambda name: name in layers and layers[name].channels_first, warn,
                     unplaced=unplaced)
