@@ -291,3 +291,20 @@ def test_a_stages_events_reach_every_rank_with_one_exchange() -> None:
     assert all(step == [] for step in seen[1])
     # The keys and the events are exchanged once, on the first step: 3 + 3 single gathers.
     assert group.calls == 3 + 3
+
+
+def test_loaded_global_rows_pass_through_combine_ranks_unchanged() -> None:
+    from graddebug.frames import combine_ranks, record_frame
+
+    g, w = RNG.normal(size=(4, 3)), RNG.normal(size=(3,))
+    g[0, 0] = math.nan
+    rows = [measured(g, "fc")._replace(rank=1), measured(w, "fc", "bias", "parameter")
+            ._replace(rank=ALL_RANKS), measured(2 * w, "out")._replace(rank=ALL_RANKS)]
+    frame = record_frame(rows)
+    combined = combine_ranks(frame).set_index(["layer", "tensor"])
+    assert len(combined) == 3
+    for row in rows:
+        got = combined.loc[(row.layer, row.tensor)]
+        assert got["rank"] == row.rank and got["numel"] == row.numel
+        for column in ("norm", "mean", "absmax"):
+            assert got[column] == pytest.approx(getattr(row, column), rel=1e-12, nan_ok=True)

@@ -118,7 +118,10 @@ def combine_ranks(records: pd.DataFrame) -> pd.DataFrame:
     With a summed loss, or a loss already divided by the global batch size (Keras ``fit`` under
     a ``tf.distribute`` strategy, ``tf.nn.compute_average_loss``), the two are equal.
 
-    A frame from one rank is returned unchanged.
+    A frame from one rank is returned unchanged. A torch run of several ranks records global
+    rows already (:mod:`graddebug.adapter.ranks`), each once, with ``rank``
+    :data:`~graddebug.records.ALL_RANKS` or, for a row that is not finite, the rank where it
+    was born: pooling one row gives it back.
     """
     if records.empty or records["rank"].nunique() <= 1:
         return records
@@ -151,6 +154,10 @@ def _pool_slices(act: pd.DataFrame) -> pd.DataFrame:
         "_sq": norm * norm, "_sum": act["mean"].to_numpy(dtype=float) * numel,
         "_birth": np.where(broken, act["rank"].to_numpy(), np.iinfo(np.int64).max),
     }
+    # pandas' sums and maxima skip NaN; a NaN in any slice is a NaN of the whole.
+    parts.update({f"{name}_nan": np.isnan(parts[name] if name != "absmax" else
+                                          act["absmax"].to_numpy(dtype=float))
+                  for name in ("_sq", "_sum", "absmax")})
     if "pre_norm" in act:
         pre = act["pre_norm"].to_numpy(dtype=float)
         parts["_pre"] = pre * pre
@@ -159,10 +166,13 @@ def _pool_slices(act: pd.DataFrame) -> pd.DataFrame:
            "_sq": ("_sq", "sum"), "_sum": ("_sum", "sum"), "absmax": ("absmax", "max"),
            "zero_frac": ("zero_frac", "min"), "nan": ("nan", "any"), "inf": ("inf", "any"),
            "_birth": ("_birth", "min"), "weight_norm": ("weight_norm", "first"),
-           "update_norm": ("update_norm", "first"), "clipped_norm": ("clipped_norm", "first")}
+           "update_norm": ("update_norm", "first"), "clipped_norm": ("clipped_norm", "first"),
+           **{f"{name}_nan": (f"{name}_nan", "any") for name in ("_sq", "_sum", "absmax")}}
     if "_pre" in parts:
         agg["_pre"] = ("_pre", "sum")
     out = grouped.agg(**agg).reset_index()
+    for name in ("_sq", "_sum", "absmax"):
+        out[name] = out[name].where(~out.pop(f"{name}_nan").to_numpy(), np.nan)
     size = out["numel"].to_numpy(dtype=float)
     squares = out.pop("_sq").to_numpy()
     with np.errstate(divide="ignore", invalid="ignore"):
