@@ -246,7 +246,7 @@ def _internal_errors(dbg: graddebug.Watcher) -> list[str]:
 
 
 def _frame_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    return json.loads(frame.to_json(orient="records"))
+    return json.loads(frame.to_json(orient="records", double_precision=15))
 
 
 # -- the worker's scenarios --------------------------------------------------------------------
