@@ -204,7 +204,7 @@ class ForwardChecks:
         """Add the check of output ``key``, a floating ``tensor``; ``weighted`` for the output
         of a weighted layer (:attr:`~graddebug.capture.layers.LayerSpec.weighted`). A
         ``DTensor`` is checked on this rank's slice."""
-        if is_sharded(tensor):
+        if type(tensor) is not Tensor and is_sharded(tensor):
             tensor = tensor.to_local()  # type: ignore[attr-defined]
         if weighted and tensor.dtype != torch.float16:
             # float16 overflows into +Inf and -Inf, whose sum is NaN: no evidence there.

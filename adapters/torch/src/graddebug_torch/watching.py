@@ -316,7 +316,7 @@ class OutputWatch:
         if not self._pause.paused:
             self._pause.until_backward_ends()
         seen = new if new is not None else grad
-        if is_sharded(seen):  # a DTensor: this rank's slice, placed among the ranks
+        if type(seen) is not Tensor and is_sharded(seen):  # a DTensor: this rank's slice
             if self.layouts is not None:
                 self.layouts.learn_grad((layer.name, tname), seen)
             seen = local_slice(seen)
