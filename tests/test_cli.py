@@ -226,3 +226,38 @@ def test_progress_bar_on_request_and_never_when_refused(saved, capsys) -> None:
 def test_missing_run_is_exit_2(tmp_path: Path, capsys) -> None:
     assert cli.main(["report", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_keeps_its_run_for_report_and_writes_its_page(capsys, tmp_path) -> None:
+    pytest.importorskip("torch")
+    run, page = tmp_path / "demo-run", tmp_path / "demo.html"
+    assert cli.main(["demo", "--steps", "4", "--log-dir", str(run), "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    assert f"graddebug report {run}" in out.replace("\n", "")
+    loaded = graddebug.load(run)
+    assert set(loaded.findings()["issue"]) == {"vanishing"}
+    assert sorted(set(loaded.frame()["step"])) == [0, 1, 2, 3]
+    assert cli.main(["report", str(run), "--format", "json"]) == 0  # warnings only
+    assert json.loads(capsys.readouterr().out)["findings"]
+    text = page.read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html") and "vanishing" in text
+
+
+def test_demo_refuses_its_outputs_before_training(capsys, tmp_path) -> None:
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert cli.main(["demo", "--log-dir", str(taken)]) == 2
+    err = capsys.readouterr()
+    assert "cannot save a run" in err.err and "Findings" not in err.out
+    assert cli.main(["demo", "--html", str(tmp_path / "no" / "such" / "x.html")]) == 2
+    assert "folder does not exist" in capsys.readouterr().err
+
+
+def test_help_is_plain_text() -> None:
+    text = cli.build_parser().format_help()
+    assert "graddebug demo" in text and "graddebug report RUN" in text
+    assert "``" not in text and ":func:" not in text
+    demo = subprocess.run([sys.executable, "-m", "graddebug.cli", "demo", "--help"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "--log-dir DIR" in demo and "--html OUT.html" in demo and "``" not in demo

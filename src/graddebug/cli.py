@@ -39,7 +39,17 @@ from graddebug.report.console import (
 if TYPE_CHECKING:
     from graddebug.report.report import Report
 
-__all__ = ["build_parser", "main", "version_text"]
+__all__ = ["DESCRIPTION", "build_parser", "main", "version_text"]
+
+DESCRIPTION = """\
+Gradient debugging from the command line.
+
+  graddebug demo                 train a built-in model that goes wrong, and show why
+  graddebug report RUN           summarise a run that watch(log_dir=...) or save() wrote
+  graddebug compare RUN_A RUN_B  per-layer gradient norm ratios between two runs
+
+Exit codes: 0 healthy, 1 when a run has error findings (report), 2 for a bad run or bad
+arguments. The command line imports no framework; demo uses an installed adapter."""
 
 FINDING_COLUMNS = ("step", "layer", "tensor", "issue", "cause", "severity", "value",
                    "message")
@@ -54,6 +64,7 @@ LARGE_RUN_FILES = 50
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from graddebug.plugins import get_plugin_manager
 
+    _check_outputs(args)
     started = time.perf_counter()
     with console.status(f"training the demo model for {args.steps} steps..."):
         report = get_plugin_manager().hook.graddebug_demo(steps=args.steps, seed=args.seed)
@@ -69,7 +80,32 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     findings = report.findings()
     print_frame(console, findings, "Findings", with_rank(findings, FINDING_COLUMNS))
     print_frame(console, report.summary(), "Per-layer summary", SUMMARY_COLUMNS)
+    if args.log_dir is not None:
+        written = report.save(args.log_dir)
+        console.print(f"wrote the run to {terminal_text(written)}: "
+                      f"graddebug report {terminal_text(written)}", soft_wrap=True)
+    if args.html is not None:
+        report.to_html(args.html)
+        console.print(f"wrote {terminal_text(args.html)}", soft_wrap=True)
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse the demo's ``--log-dir`` and ``--html`` before training, not after it.
+
+    Raises:
+        RunFileError: ``--log-dir`` is a file or a directory that holds something else.
+        ConfigError: The folder of ``--html`` does not exist.
+    """
+    from graddebug.errors import ConfigError, RunFileError
+    from graddebug.runs.layout import check_run_path
+    from graddebug.runs.writer import check_save_target
+
+    if args.log_dir is not None:
+        check_run_path(args.log_dir, "--log-dir", RunFileError)
+        check_save_target(args.log_dir)
+    if args.html is not None and not Path(args.html).resolve().parent.is_dir():
+        raise ConfigError(f"--html {args.html!r}: its folder does not exist; create it first")
 
 
 # -- progress --------------------------------------------------------------------------------
@@ -314,14 +350,23 @@ class _Version(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``graddebug`` command."""
-    parser = argparse.ArgumentParser(prog="graddebug", description=__doc__,
+    parser = argparse.ArgumentParser(prog="graddebug", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action=_Version,
                         help="print the versions of graddebug and its installed adapters")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a built-in sigmoid MLP and show its findings")
+    demo = sub.add_parser(
+        "demo", help="train a built-in sigmoid MLP and show its findings",
+        description="Train a built-in 12-layer sigmoid MLP for a few steps under watch() and "
+                    "show its findings and per-layer summary; --log-dir keeps the run for "
+                    "'graddebug report', --html writes its report page.")
     demo.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--log-dir", metavar="DIR", default=None,
+                      help="also write the run to DIR (a new or empty directory), which "
+                           "'graddebug report DIR' reads")
+    demo.add_argument("--html", metavar="OUT.html", default=None,
+                      help="also write the run's self-contained HTML report")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(

@@ -38,7 +38,7 @@ from graddebug.runs.layout import (
 )
 from graddebug.runs.parts import read_streams
 
-__all__ = ["DEFAULT_FLUSH_EVERY", "FLUSH_SECONDS", "RunWriter", "write_run"]
+__all__ = ["DEFAULT_FLUSH_EVERY", "FLUSH_SECONDS", "RunWriter", "check_save_target", "write_run"]
 
 DEFAULT_FLUSH_EVERY = 100
 """Recorded steps buffered in memory before they are written (``watch(flush_every=...)``)."""
@@ -54,6 +54,22 @@ def _write_parquet(path: Path, table: Any) -> None:
 
 def _specs(**frames: pd.DataFrame) -> dict[str, ColumnSpec]:
     return {name: frame_spec(frame) for name, frame in frames.items()}
+
+
+def check_save_target(path: str | os.PathLike[str]) -> Path:
+    """Check that a run may be saved at ``path``: a new or empty directory, or a run (which
+    is replaced).
+
+    Raises:
+        RunFileError: ``path`` is a file, or a non-empty directory that holds no run.
+    """
+    target = Path(path)
+    if target.exists() and not is_run(target) and (target.is_file() or any(target.iterdir())):
+        raise RunFileError(
+            f"cannot save a run to {str(target)!r}: it is a file or a non-empty directory that "
+            "holds no graddebug run. Choose a new path."
+        )
+    return target
 
 
 def write_run(path: str | os.PathLike[str], records: pd.DataFrame, events: pd.DataFrame,
@@ -79,12 +95,7 @@ def write_run(path: str | os.PathLike[str], records: pd.DataFrame, events: pd.Da
             column cannot be stored.
         MissingFrameworkError: pyarrow is not installed.
     """
-    target = Path(path)
-    if target.exists() and not is_run(target) and (target.is_file() or any(target.iterdir())):
-        raise RunFileError(
-            f"cannot save a run to {str(target)!r}: it is a file or a non-empty directory that "
-            "holds no graddebug run. Choose a new path."
-        )
+    target = check_save_target(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
