@@ -24,6 +24,8 @@ from graddebug.capture.layers import Intervention
 from graddebug.config import Thresholds
 from graddebug.errors import (
     ConfigError,
+    CorruptRunError,
+    FindingError,
     GradDebugError,
     GradDebugInternalError,
     GradDebugWarning,
@@ -31,6 +33,8 @@ from graddebug.errors import (
     MaskShapeError,
     MissingFrameworkError,
     NoAdapterError,
+    NotARunError,
+    RunFileError,
     UnknownNameError,
     UnsupportedOptionError,
     WatcherStateError,
@@ -79,7 +83,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ConfigError",
+    "CorruptRunError",
     "Finding",
+    "FindingError",
     "GradDebugError",
     "GradDebugInternalError",
     "GradDebugWarning",
@@ -89,7 +95,9 @@ __all__ = [
     "MaskShapeError",
     "MissingFrameworkError",
     "NoAdapterError",
+    "NotARunError",
     "Report",
+    "RunFileError",
     "Severity",
     "Thresholds",
     "UnknownNameError",

@@ -10,12 +10,17 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "AdapterContractError",
     "ConfigError",
     "CorruptRunError",
     "EngineStepError",
+    "FindingError",
     "GradDebugError",
     "GradDebugInternalError",
     "GradDebugWarning",
@@ -113,6 +118,24 @@ class WatcherStateError(GradDebugError, RuntimeError):
 class EngineStepError(WatcherStateError):
     """``dbg.step()`` was called on a Watcher whose steps a training engine closes itself (a
     DeepSpeed engine given to ``watch``: each optimizer update of the engine is a step)."""
+
+
+class FindingError(GradDebugError, RuntimeError):
+    """``dbg.step()`` found an issue named in ``watch(raise_on=...)``: training stops at the
+    step where it first appears, as ``torch.autograd.detect_anomaly`` stops at a NaN.
+
+    Args:
+        message: The first finding's message, with its step, layer and issue.
+        findings: The findings that raised it, as rows of ``dbg.findings()``.
+
+    Attributes:
+        findings: The findings that raised it (a DataFrame with the columns of
+            ``dbg.findings()``; None once the error was pickled, which keeps the message).
+    """
+
+    def __init__(self, message: str, findings: pd.DataFrame | None = None) -> None:
+        super().__init__(message)
+        self.findings = findings
 
 
 class GradDebugInternalError(GradDebugError, RuntimeError):

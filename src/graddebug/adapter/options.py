@@ -4,18 +4,20 @@ place where each option is documented."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from graddebug.capture.layers import Intervention
 from graddebug.config import Thresholds
+from graddebug.errors import ConfigError, close_matches
 
 if TYPE_CHECKING:
     import pluggy
 
-__all__ = ["ADAPTER_OPTIONS", "WATCHER_OPTIONS", "WATCH_OPTIONS", "WatchOptions", "options_set"]
+__all__ = ["ADAPTER_OPTIONS", "WATCHER_OPTIONS", "WATCH_OPTIONS", "WatchOptions",
+           "check_option_names", "options_set"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,13 @@ class WatchOptions:
             ``every`` > 1. The others leave those two columns NaN; 1 measures everything on
             every recorded step. See :mod:`graddebug.capture.tiers` (the Watcher decides,
             :attr:`WatchContext.full_stats` tells the adapter).
+        raise_on: Issues (``"nonfinite"``, ``"exploding"``, ... any of
+            :class:`graddebug.Issue`) at which ``dbg.step()`` raises
+            :class:`graddebug.FindingError`, carrying the findings' rows, at the step where a
+            finding of one of them is first reported (as ``detect_anomaly`` stops at a NaN):
+            a ``nonfinite`` at the step it happens, the rules judged over many steps as soon as
+            the live findings report them. Empty (the default) never raises. The training
+            callbacks stop training with their ``stop_on=`` instead.
         op_sites: The op-site names or globs that ``layers=`` asks for, besides its layers
             (derived from ``layers=``, not an option of its own).
     """
@@ -108,6 +117,7 @@ class WatchOptions:
     ops: bool = False
     escalate: bool = False
     full_stats_every: int = 10
+    raise_on: frozenset[str] = frozenset()
     op_sites: frozenset[str] = field(default=frozenset(), metadata={"derived": True})
 
     @property
@@ -126,7 +136,7 @@ against it; ``tests/test_options.py`` holds ``Watcher.__init__``'s signature to 
 
 WATCHER_OPTIONS: frozenset[str] = frozenset({
     "keep_steps", "every", "thresholds", "strict", "log_dir", "flush_every", "plugin_manager",
-    "tensorboard"})
+    "tensorboard", "raise_on"})
 """The options the Watcher honours itself, whatever the adapter: the steps it records, its
 diagnoses, its files and its plugins. An adapter declares none of them."""
 
@@ -163,3 +173,27 @@ def options_set(options: WatchOptions) -> list[str]:
         if changed:
             given.append(f.name)
     return given
+
+
+def check_option_names(options: Iterable[str], where: str, known: Sequence[str],
+                       own: Sequence[str] = ()) -> None:
+    """Reject option names that are neither ``known`` nor the caller's ``own``, early: the
+    one check behind ``watch()``, ``check()`` and the training callbacks, so that a typo
+    (``evry=``) gets the same typed answer everywhere instead of Python's bare ``TypeError``.
+
+    Args:
+        options: The keyword names given.
+        where: The caller, for the message (``"watch()"``, ``"check()"``).
+        known: The ``watch`` options the caller passes on (:data:`WATCH_OPTIONS`, or some).
+        own: The caller's own options, accepted and listed in the message.
+
+    Raises:
+        ConfigError: An unknown name, with the closest known ones.
+    """
+    every = [*own, *known]
+    for name in options:
+        if name not in every:
+            raise ConfigError(
+                f"{where} got an unknown option {name!r}.{close_matches(name, every)} "
+                f"Options: {', '.join(every)}."
+            )

@@ -138,6 +138,11 @@ class HookSide:
         self._warned_keys.add(key)
         warnings.warn(message, GradDebugWarning, stacklevel=3)
 
+    @property
+    def warned(self) -> frozenset[str]:
+        """The keys :meth:`warn_once` has warned about so far."""
+        return frozenset(self._warned_keys)
+
     @contextmanager
     def quiet(self, quiet: bool) -> Iterator[None]:
         """Drop :meth:`warn_once` warnings inside the block when ``quiet``: while an

@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
+from graddebug.adapter.options import WATCH_OPTIONS, check_option_names
 from graddebug.capture.watcher import Watcher
 
 __all__ = ["watch"]
@@ -44,14 +45,16 @@ def watch(model: Any = None, **options: Any) -> Watcher:
         A :class:`Watcher`, to be entered with ``with``.
 
     Raises:
+        ConfigError: An option has an unusable value or an unknown name (with the closest
+            known ones: ``evry=`` suggests ``every``), ``log_dir`` is not a new directory,
+            or ``ops=True``/``escalate=True`` was given without a model.
         UnsupportedOptionError: An option was set that the adapter of ``model`` (or of the
             first ``params=`` value) does not honour (its ``watch_options``); the message
             names the adapter and what to use instead.
-        ConfigError: An option has an unusable value, ``log_dir`` is not a new directory,
-            or ``ops=True``/``escalate=True`` was given without a model.
         MissingFrameworkError: ``log_dir`` was given and pyarrow is missing, or
             ``tensorboard`` was given and tensorboardX is missing.
         NoAdapterError: (on entering) no installed adapter claims ``model``.
         UnknownNameError: (on entering) a ``layers=`` name matches no layer.
     """
+    check_option_names(options, "watch()", WATCH_OPTIONS)
     return Watcher(model, **options)

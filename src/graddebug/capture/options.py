@@ -15,13 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from graddebug.adapter import WatchOptions
+from graddebug.adapter import Adapter, StepResult, WatchOptions
 from graddebug.capture.layers import Intervention, is_op_site, parse_interventions
 from graddebug.config import as_number
-from graddebug.errors import ConfigError, MissingFrameworkError
+from graddebug.errors import ConfigError, MissingFrameworkError, UnknownNameError, close_matches
+from graddebug.records import Issue, Kind
 from graddebug.runs.layout import check_run_path
 
-__all__ = ["build_options", "check_flag", "check_log_dir", "check_tensorboard"]
+__all__ = ["EarlyNames", "build_options", "check_flag", "check_log_dir", "check_raise_on",
+           "check_tensorboard", "check_without_model", "unmatched_error"]
 
 
 def _as_list(option: str, value: Any, example: str) -> list[Any] | None:
@@ -165,6 +167,7 @@ def build_options(given: Mapping[str, Any]) -> WatchOptions:
      options["intervene"]) = _names(given["layers"], given["keep"], given["intervene"],
                                     options["ops"])
     options["tensorboard"] = check_tensorboard(given["tensorboard"])
+    options["raise_on"] = check_raise_on(given["raise_on"])
     return WatchOptions(**options)
 
 
@@ -207,3 +210,120 @@ def check_tensorboard(tensorboard: Any) -> Path | None:
             "not installed: pip install graddebug[tensorboard]"
         )
     return Path(tensorboard)
+
+
+def check_raise_on(raise_on: Any) -> frozenset[str]:
+    """Check ``watch(raise_on=...)``: an issue name or several, each one of
+    :class:`graddebug.Issue`.
+
+    Raises:
+        ConfigError: An entry is not an issue name; the message gives the closest ones.
+    """
+    known = [issue.value for issue in Issue]
+    issues = _as_list("raise_on", raise_on, 'an issue name or a list of them, e.g. '
+                      'raise_on=("nonfinite", "exploding")') or []
+    for issue in issues:
+        if not isinstance(issue, str) or issue not in known:
+            raise ConfigError(
+                f"raise_on={issue!r} is not an issue.{close_matches(str(issue), known)} "
+                f"Issues: {', '.join(known)}.")
+    return frozenset(issues)
+
+
+_LOOKALIKE = str.maketrans("oilsz", "01152")
+"""Letters typed for the digits they look like: ``keep=["O"]`` for the module ``"0"``."""
+
+
+def _suggest(name: str, known: Sequence[str]) -> str:
+    """A ``" Did you mean ...?"`` suffix for ``name``: the closest names, or those that read
+    the same once case and look-alike characters are set aside (``"O"`` for ``"0"``)."""
+    close = close_matches(name, known)
+    if close:
+        return close
+    folded = name.lower().translate(_LOOKALIKE)
+    same = [k for k in known if k.lower().translate(_LOOKALIKE) == folded]
+    return " Did you mean " + ", ".join(repr(k) for k in same[:3]) + "?" if same else ""
+
+
+def unmatched_error(wanted: Iterable[str], adapter: Adapter | None, when: str
+                    ) -> UnknownNameError | None:
+    """The error for the ``keep=``/``intervene=`` (and op-site) names that matched no layer and
+    no tap, or None when each matched.
+
+    Args:
+        wanted: The names asked for.
+        adapter: The Watcher's adapter, which knows what matched (None: nothing did).
+        when: When the names were checked, for the message (``"during the run"``).
+    """
+    matched = adapter.matched_names() if adapter is not None else set()
+    known = adapter.known_names() if adapter is not None else []
+    unmatched = sorted(set(wanted) - matched)
+    if not unmatched:
+        return None
+    details = "; ".join(f"{n!r}{_suggest(n, known)}" for n in unmatched)
+    sites = (" Op-site names and globs ('<layer>.<op>@<file>:<line>') match the ops of forward "
+             "passes recorded with ops=True; see the tensor column of the frame's op rows."
+             if any(is_op_site(n) for n in unmatched) else "")
+    return UnknownNameError(
+        f"keep=/intervene= names matched no layer and no tap {when}: {details} "
+        f"Known names: {', '.join(known[:20]) or 'none'}.{sites}")
+
+
+class EarlyNames:
+    """Checks the ``keep=``/``intervene=`` names at the first ``dbg.step()`` that recorded
+    gradients and brought no layer or tap name not seen before: every layer has run by then,
+    and a typo must not wait for the end of training (the exit checks again, and checks op
+    sites, which ``escalate=True`` captures on a few steps only).
+
+    Args:
+        named: The names asked for (:attr:`WatchOptions.named`).
+    """
+
+    def __init__(self, named: Iterable[str]) -> None:
+        self._wanted: set[str] | None = {n for n in named if not is_op_site(n)} or None
+        self._seen: set[str] = set()
+
+    def start(self, adapter: Adapter | None) -> None:
+        """Note the names known on entering (a torch model's modules, a Keras model's built
+        layers), so that a step that adds none can be the one that checks."""
+        if adapter is not None:
+            self._seen = set(adapter.known_names())
+
+    def after_step(self, adapter: Adapter | None, result: StepResult, step: int) -> None:
+        """Check the names after recorded ``step``, once, when it is the step that can.
+
+        Raises:
+            UnknownNameError: A name matched no layer and no tap, with the closest names.
+        """
+        if self._wanted is None or adapter is None or all(
+                r.kind == Kind.LOSS.value for r in result.records):
+            return
+        known = set(adapter.known_names())
+        if known != self._seen:
+            self._seen = known
+            return
+        wanted, self._wanted = self._wanted, None
+        error = unmatched_error(wanted, adapter, f"by step {step}, in which every layer and "
+                                "tap had run")
+        if error is not None:
+            raise error
+
+
+def check_without_model(model: Any, options: WatchOptions) -> None:
+    """Refuse the options that need a model when none was given.
+
+    Raises:
+        ConfigError: ``optimizer=`` with neither a model nor ``params=``, or ``ops=True`` or
+            ``escalate=True`` without a model.
+    """
+    if model is None and options.params is None and options.optimizer is not None:
+        raise ConfigError(
+            f"optimizer={type(options.optimizer).__name__} was given with no model and no "
+            "params=, so nothing says which adapter records its gradients: "
+            "watch(model, optimizer=...), or watch(params={...}, optimizer=...).")
+    if model is None and (options.ops or options.escalate):
+        option = "ops" if options.ops else "escalate"
+        raise ConfigError(
+            f"{option}=True captures the operations of a model's forward pass, and no "
+            f"model was given: watch(model, {option}=True). Without a model, tap() the "
+            "tensors to watch.")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -36,11 +36,11 @@ from graddebug.capture.context import HookSide
 from graddebug.capture.layers import FailOpen
 from graddebug.capture.live import LiveFindings
 from graddebug.config import as_number
-from graddebug.errors import ConfigError, WatcherStateError
+from graddebug.errors import ConfigError, FindingError, WatcherStateError
 from graddebug.frames import finding_frame
 from graddebug.records import Finding, Kind, Record, Severity, sums_record
 
-__all__ = ["StepState", "Steps", "loss_record", "loss_value", "notice_line"]
+__all__ = ["StepState", "Steps", "loss_record", "loss_value", "notice_line", "split_loss"]
 
 _LOSS = Kind.LOSS.value
 log = logging.getLogger("graddebug")
@@ -99,6 +99,43 @@ def loss_value(loss: Any, where: str) -> float | None:
         ) from exc
 
 
+def _one_number(value: Any) -> bool:
+    """Whether ``value`` is one number: a Python or numpy number, or a 0-d tensor or array of
+    any framework (``ndim`` 0, or an empty ``shape``), never a list, a dict or text."""
+    if as_number(value) is not None:
+        return True
+    if value is None or isinstance(value, (str, bytes, Mapping, list, tuple)):
+        return False
+    ndim = getattr(value, "ndim", None)
+    if ndim is not None:
+        return bool(ndim == 0)
+    shape = getattr(value, "shape", None)
+    try:  # a graph tensor of unknown rank has a shape that cannot be listed
+        return shape is not None and len(tuple(shape)) == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def split_loss(grads: Any, loss: Any) -> tuple[Any, Any]:
+    """``dbg.step(loss)``: a positional argument that is one number is the step's loss, as
+    ``dbg.step(loss=...)``; anything else (a list, a pytree, what a session fetched) stays
+    the gradients.
+
+    Returns:
+        ``(grads, loss)`` as ``dbg.step(grads, loss=loss)`` would take them.
+
+    Raises:
+        ConfigError: A loss was given both positionally and as ``loss=``.
+    """
+    if grads is None or not _one_number(grads):
+        return grads, loss
+    if loss is not None:
+        raise ConfigError(
+            "dbg.step() got two losses, one positional and one as loss=; pass it once: "
+            "dbg.step(loss) or dbg.step(loss=loss).")
+    return None, grads
+
+
 def loss_record(step: int, loss: float) -> Record:
     """The loss row of a step (see :attr:`graddebug.records.Kind.LOSS`)."""
     return sums_record(step, _LOSS, _LOSS, _LOSS, -1, "()", 1, abs(loss), loss, abs(loss),
@@ -127,10 +164,13 @@ class Steps:
         watcher: The Watcher, as subscribers see it.
         optimizer: The optimizer given to ``watch(optimizer=...)``, or None (for messages).
         live: Where each recorded step's rows are diagnosed as it closes.
+        raise_on: The issues whose first finding raises :class:`FindingError` from the close
+            (``watch(raise_on=...)``).
     """
 
     def __init__(self, hooks: HookSide, buffer: RunBuffer, plugin_manager: pluggy.PluginManager,
-                 watcher: CallbackContext, optimizer: Any, live: LiveFindings) -> None:
+                 watcher: CallbackContext, optimizer: Any, live: LiveFindings,
+                 raise_on: frozenset[str] = frozenset()) -> None:
         self._hooks = hooks
         self._buffer = buffer
         self._pm = plugin_manager
@@ -142,6 +182,7 @@ class Steps:
         self._tiers_sink: CompiledTiers | None = None
         self._closed = StepState.OPEN  # who closed the last step; OPEN before the first
         self._live = live
+        self._raise_on = raise_on
         self._last_recorded: int | None = None
         self._loss_step: int | None = None  # the last recorded step that has a loss row
         self.host = HostSide()
@@ -180,6 +221,7 @@ class Steps:
         Raises:
             WatcherStateError: The optimizer given to ``watch(optimizer=...)`` has closed the
                 step already and nothing arrived since.
+            FindingError: The step brought a finding of an issue in ``raise_on``.
         """
         # The adapter is asked whether anything arrived only where the answer matters: in
         # TensorFlow it reads the buffers, a host transfer.
@@ -199,7 +241,21 @@ class Steps:
                 "optimizer step, after backward()."
             ))
             return None
-        return self.close(grads, StepState.CLOSED_BY_USER, loss)
+        result = self.close(grads, StepState.CLOSED_BY_USER, loss)
+        # A gap that a warning (a torch.func transform, a compiled model) or an event (a cut
+        # graph) explains already is not explained twice.
+        if (grads is None and result is not None and not hooks.warned and not result.events
+                and all(r.kind == _LOSS for r in result.records)):
+            hooks.warn_once("step-no-gradient", (
+                f"graddebug: dbg.step() closed step {hooks.step - 1} with no gradient since the "
+                "last step: no watched layer output or parameter got one, so the step has no "
+                "rows. Call dbg.step() once per optimizer step after loss.backward() (or after "
+                "computing the gradients) and before zero_grad(); called between the forward "
+                "pass and backward(), each step records the gradients of the one before."
+            ))
+        if result is not None:
+            self._raise_for(hooks.step - 1)
+        return result
 
     def late_loss(self, loss: float) -> None:
         """Record the loss of the step closed last, unless it has one or was not recorded."""
@@ -229,8 +285,24 @@ class Steps:
             self._closed = StepState.CLOSED_BY_OPTIMIZER
             return
         # Fail-open: the user's optimizer step has already happened.
+        result = None
         with FailOpen(self._hooks.internal_error, f"{self._optimizer}.step"):
-            self.close(None, StepState.CLOSED_BY_OPTIMIZER)
+            result = self.close(None, StepState.CLOSED_BY_OPTIMIZER)
+        if result is not None:  # raise_on is the user's request, not a bug: it raises
+            self._raise_for(self._hooks.step - 1)
+
+    def _raise_for(self, step: int) -> None:
+        """Raise :class:`FindingError` when the recorded ``step`` brought a finding of an issue
+        in ``raise_on``; its message is the step's notice line, its rows those findings."""
+        if not self._raise_on:
+            return
+        found = [f for f in self._findings_of(step) if f.issue in self._raise_on]
+        line = notice_line(found, step)
+        if line is not None:
+            raise FindingError(
+                f"{line} (raised by watch(raise_on={tuple(sorted(self._raise_on))!r}); the "
+                "rows are in this error's .findings, the run so far in dbg.findings())",
+                finding_frame(found))
 
     def _pending_for_close(self) -> bool:
         """Whether anything arrived, asked right before a close (see :class:`ReadAhead`)."""

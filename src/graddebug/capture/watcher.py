@@ -26,18 +26,18 @@ from graddebug.capture.capabilities import (
 from graddebug.capture.context import HookSide
 from graddebug.capture.escalation import Escalation
 from graddebug.capture.kept import KEEP_STEPS, check_keep_steps
-from graddebug.capture.layers import Intervention, is_op_site
+from graddebug.capture.layers import Intervention
 from graddebug.capture.metadata import run_metadata
-from graddebug.capture.options import build_options
-from graddebug.capture.results import RunResults
-from graddebug.capture.steps import Steps, StepState, loss_value
-from graddebug.config import Thresholds
-from graddebug.errors import (
-    ConfigError,
-    UnknownNameError,
-    WatcherStateError,
-    close_matches,
+from graddebug.capture.options import (
+    EarlyNames,
+    build_options,
+    check_without_model,
+    unmatched_error,
 )
+from graddebug.capture.results import RunResults
+from graddebug.capture.steps import Steps, StepState, loss_value, split_loss
+from graddebug.config import Thresholds
+from graddebug.errors import ConfigError, WatcherStateError
 from graddebug.plugins import find_adapter, get_plugin_manager
 from graddebug.runs.layout import now
 from graddebug.runs.writer import DEFAULT_FLUSH_EVERY
@@ -83,24 +83,14 @@ class Watcher(RunResults):
         ops: bool = False,
         escalate: bool = False,
         full_stats_every: int = 10,
+        raise_on: Sequence[str] | str = (),
     ) -> None:
         arguments = locals()  # the options, by the names WatchOptions' fields give them
         given = {name: arguments[name] for name in WATCH_OPTIONS}
         given.update(keep_steps=check_keep_steps(keep_steps),
                      thresholds=Thresholds.coerce(thresholds))
         self._options = options = build_options(given)
-        if model is None and options.params is None and options.optimizer is not None:
-            raise ConfigError(
-                f"optimizer={type(options.optimizer).__name__} was given with no model and no "
-                "params=, so nothing says which adapter records its gradients: "
-                "watch(model, optimizer=...), or watch(params={...}, optimizer=...).")
-        if model is None and (options.ops or options.escalate):
-            option = "ops" if options.ops else "escalate"
-            raise ConfigError(
-                f"{option}=True captures the operations of a model's forward pass, and no "
-                f"model was given: watch(model, {option}=True). Without a model, tap() the "
-                "tensors to watch."
-            )
+        check_without_model(model, options)
         self._model = model
         buffer = RunBuffer(log_dir, options.flush_every, self._describe,
                            lambda exc, where: self._hooks.internal_error(exc, where),
@@ -113,8 +103,9 @@ class Watcher(RunResults):
                         if options.escalate and not options.ops else None),
             ops=options.ops, strict=options.strict)
         self._steps = Steps(self._hooks, buffer, self._pm, self, options.optimizer,
-                            self._live)
+                            self._live, options.raise_on)
         self._started = ""
+        self._early = EarlyNames(options.named)
         refuse_at_watch(self._pm, model, options)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -122,7 +113,8 @@ class Watcher(RunResults):
     def __enter__(self) -> Watcher:
         hooks = self._hooks
         if hooks.active:
-            raise WatcherStateError("this Watcher is already active; use one `with` per Watcher.")
+            raise WatcherStateError("this Watcher is already active (in a `with` block, or "
+                                    "started); use one `with` per Watcher, or stop() it first.")
         target = self._model
         if target is None and self._options.params is not None:
             target = next(iter(self._options.params.values()))
@@ -135,6 +127,7 @@ class Watcher(RunResults):
                     follow(adapter, self._options.optimizer, self._steps.by_optimizer)
                 if has(adapter, Distributed) and isinstance(adapter, Distributed):
                     self._buffer.distribution = adapter.distribution()
+            self._early.start(self.adapter)
             self._buffer.start()
         except BaseException:
             hooks.active = False
@@ -162,8 +155,31 @@ class Watcher(RunResults):
                 adapter.detach()
             self._buffer.finish(self.findings)
             self._steps.notify(self._pm.hook.graddebug_run_finished, watcher=self)
-        if exc_type is None:
-            self._check_unmatched()
+        if exc_type is None and (error := unmatched_error(
+                self._options.named, self.adapter, "during the run")) is not None:
+            raise error
+
+    def start(self) -> Watcher:
+        """Start watching without ``with`` (notebooks; ``dbg = graddebug.watch(model).start()``):
+        the same as entering the block. Returns this Watcher.
+
+        Raises:
+            WatcherStateError: It was started (or entered) already; call :meth:`stop` first.
+        """
+        return self.__enter__()
+
+    def stop(self) -> None:
+        """Stop watching: the same as leaving the ``with`` block without an exception (hooks
+        removed, the run finished).
+
+        Raises:
+            WatcherStateError: It was not started, or was stopped already.
+            UnknownNameError: A ``keep=``/``intervene=`` name matched no layer and no tap.
+        """
+        if not self.active:
+            raise WatcherStateError("dbg.stop() was called on a Watcher that is not running: "
+                                    "start it first (dbg.start() or `with`), and stop it once.")
+        self.__exit__(None, None, None)
 
     def _attach(self, target: object) -> Adapter:
         factory = find_adapter(self._pm, target)
@@ -175,24 +191,6 @@ class Watcher(RunResults):
         self._steps.serve(adapter)
         adapter.attach()
         return adapter
-
-    def _check_unmatched(self) -> None:
-        wanted = self._options.named
-        if not wanted:
-            return
-        adapter = self.adapter
-        matched = adapter.matched_names() if adapter is not None else set()
-        known = adapter.known_names() if adapter is not None else []
-        unmatched = sorted(wanted - matched)
-        if unmatched:
-            details = "; ".join(f"{n!r}{close_matches(n, known)}" for n in unmatched)
-            sites = (" Op-site names and globs ('<layer>.<op>@<file>:<line>') match the ops "
-                     "of forward passes recorded with ops=True; see the tensor column of the "
-                     "frame's op rows." if any(is_op_site(n) for n in unmatched) else "")
-            raise UnknownNameError(
-                f"keep=/intervene= names matched no layer and no tap during the run: {details} "
-                f"Known names: {', '.join(known[:20]) or 'none'}.{sites}"
-            )
 
     # -- where the run stands ---------------------------------------------------------
 
@@ -249,8 +247,7 @@ class Watcher(RunResults):
 
     # -- steps --------------------------------------------------------------------------------
 
-    def step(self, grads: Sequence[Any] | None = None, *, loss: Any = None
-             ) -> StepResult | None:
+    def step(self, grads: Any = None, *, loss: Any = None) -> StepResult | None:
         """Close the current step: record parameter gradients and move to the next step.
 
         Call it once per optimizer step, after ``backward()`` (before or after
@@ -258,13 +255,17 @@ class Watcher(RunResults):
 
         A second call with nothing captured since the last one (no backward in between)
         records nothing and warns once: ``p.grad`` still holds the gradients already recorded,
-        and recording them again would invent a step.
+        and recording them again would invent a step. A step with no gradient at all (called
+        before the first ``backward()``, or between the forward pass and ``backward()``)
+        warns once, saying so.
 
         Args:
             grads: Parameter gradients in the order of the watched parameters, for frameworks
-                that do not store them on the parameters (TensorFlow). Torch reads ``p.grad``.
-                In a ``tf.compat.v1`` graph: what ``session.run`` returned for
-                :meth:`fetches`.
+                that do not store them on the parameters (TensorFlow; a pytree in JAX). Torch
+                reads ``p.grad``. In a ``tf.compat.v1`` graph: what ``session.run`` returned
+                for :meth:`fetches`. One number instead (a 0-d tensor or array of any
+                framework, a Python or numpy number) is the loss: ``dbg.step(loss)`` is
+                ``dbg.step(loss=loss)``.
             loss: The step's loss (a Python number, or a one-element tensor or array of any
                 framework; read once, a host transfer), recorded as a ``kind="loss"`` row
                 and judged by the ``loss_spike`` rule. Optional: the training callbacks pass
@@ -279,14 +280,20 @@ class Watcher(RunResults):
                 to ``watch(optimizer=...)`` has closed the step already.
             GradientCountError: ``grads`` does not line up with the watched parameters: another
                 count, or the first entry whose type, shape or dtype is not its parameter's.
-            ConfigError: ``loss`` is not one number.
+            ConfigError: ``loss`` is not one number, or a loss was given twice.
+            UnknownNameError: At the first step by which every layer and tap has run, a
+                ``keep=``/``intervene=`` name matched none of them.
+            FindingError: The step brought a finding of an issue in ``raise_on=``.
         """
         if not self.active:
             raise WatcherStateError(
-                "step() was called outside the `with graddebug.watch(...)` block; "
-                "call it inside the block, once per optimizer step."
-            )
-        return self._steps.by_user(grads, loss_value(loss, "step(loss=...)"))
+                "step() was called outside the `with graddebug.watch(...)` block (or before "
+                "dbg.start()); call it inside the block, once per optimizer step.")
+        grads, loss = split_loss(grads, loss)
+        result = self._steps.by_user(grads, loss_value(loss, "step(loss=...)"))
+        if result is not None:
+            self._early.after_step(self.adapter, result, self.step_index - 1)
+        return result
 
     def record_loss(self, loss: Any) -> None:
         """Record the loss of the step closed last, for loops and hosts that learn it only
@@ -314,18 +321,16 @@ class Watcher(RunResults):
 
     def _describe(self) -> tuple[dict[str, Any], dict[str, float]]:
         """The run's metadata and thresholds, for its JSON file."""
-        return self._run_metadata(), self.thresholds.as_dict()
-
-    def _run_metadata(self) -> dict[str, Any]:
         settings: dict[str, Any] = {
             "every": self.every, "strict": self.strict,
             "params": list(self._options.params) if self._options.params is not None else None}
         log = self._buffer.log
         if log is not None:
             settings.update(log_dir=str(log.path), flush_every=log.flush_every)
-        return run_metadata(adapter=self.adapter.name if self.adapter is not None else None,
-                            model=self._model, options=self._options, settings=settings,
-                            started=self._started, distribution=self._buffer.distribution)
+        metadata = run_metadata(adapter=self.adapter.name if self.adapter is not None else None,
+                                model=self._model, options=self._options, settings=settings,
+                                started=self._started, distribution=self._buffer.distribution)
+        return metadata, self.thresholds.as_dict()
 
     # -- the user's other calls -----------------------------------------------------------
 
@@ -360,9 +365,8 @@ class Watcher(RunResults):
             MaskShapeError: ``mask`` does not broadcast to the tensor.
         """
         if not self.active:
-            raise WatcherStateError(
-                f"tap(..., {name!r}) was called outside the `with graddebug.watch(...)` block."
-            )
+            raise WatcherStateError(f"tap(..., {name!r}) was called outside the "
+                                    "`with graddebug.watch(...)` block.")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"tap name {name!r} must be a non-empty string.")
         given = Intervention(clip_value=clip_value, clip_norm=clip_norm, mask=mask, scale=scale)
@@ -441,7 +445,6 @@ class Watcher(RunResults):
             self._steps.close(grads, StepState.CLOSED_BY_USER)
 
     def __repr__(self) -> str:
-        state = "active" if self.active else "inactive"
         adapter = self.adapter.name if self.adapter is not None else "none"
-        return (f"<Watcher {state} adapter={adapter} step={self.step_index} "
-                f"records={self._buffer.rows}>")
+        return (f"<Watcher {'active' if self.active else 'inactive'} adapter={adapter} "
+                f"step={self.step_index} records={self._buffer.rows}>")

@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from graddebug.adapter.options import WATCH_OPTIONS
+from graddebug.adapter.options import WATCH_OPTIONS, check_option_names
 from graddebug.errors import ConfigError, close_matches
 from graddebug.records import EventKind, Issue, Record
 
@@ -86,10 +86,4 @@ def check_watch_options(options: Mapping[str, Any], where: str, own: Sequence[st
     """
     # The optimizer is never passed on: check() takes it as its own option, and a callback
     # takes the trainer's.
-    known = [n for n in WATCH_OPTIONS if n != "optimizer"]
-    for name in options:
-        if name not in known:
-            raise ConfigError(
-                f"{where} got an unknown option {name!r}.{close_matches(name, known)} "
-                f"Options: {', '.join([*own, *known])}."
-            )
+    check_option_names(options, where, [n for n in WATCH_OPTIONS if n != "optimizer"], own)

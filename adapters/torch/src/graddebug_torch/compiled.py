@@ -66,7 +66,8 @@ NO_FORWARD_WARNING = (
     "before watch() was entered, or first compiled on a step that every= skips, keeps running "
     "the graph traced without graddebug's hooks: enter watch() before the first compiled "
     "call, or call torch.compiler.reset() after entering it. A forward pass run before "
-    "watch() was entered has the same effect."
+    "watch() was entered has the same effect, and so has dbg.step() called between the "
+    "forward pass and backward(): call dbg.step() after backward()."
 )
 COMPILE_WARNING = (
     "graddebug: ops=True (or escalate=True) records the operations of eager forward passes "
