@@ -314,7 +314,8 @@ def test_forward_without_a_tape_records_nothing():
     x = tf.ones((2, 32))
     with graddebug.watch(model) as dbg:
         model(x)  # evaluation: nobody differentiates it
-        dbg.step()
+        with pytest.warns(graddebug.GradDebugWarning, match="no gradient since the last step"):
+            dbg.step()
         dbg.step(square_loss_step(model, x))
     assert list(dbg.frame()["step"].unique()) == [1]
     assert dbg.events().empty
