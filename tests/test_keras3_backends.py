@@ -133,6 +133,18 @@ out["fit"] = norms(dbg.frame())
 out["fit_steps"] = sorted(set(dbg.frame()["step"].tolist()))
 out["fit_findings"] = dbg.findings()["issue"].tolist()
 
+# The stand-alone callback: no with block, the same rows; each fit watched anew.
+import graddebug_keras
+model = mlp()
+alone = graddebug_keras.GradDebugCallback()
+model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, shuffle=False, callbacks=[alone])
+out["alone"] = norms(alone.frame())
+out["alone_steps"] = sorted(set(alone.frame()["step"].tolist()))
+out["alone_active_after_fit"] = alone.watcher.active
+first = alone.watcher
+model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, shuffle=False, callbacks=[alone])
+out["alone_refit_new_watcher"] = alone.watcher is not first and not alone.watcher.active
+
 model = mlp()
 # TensorFlow keeps no gradient on a variable: its Keras path takes them from optimizer=.
 with graddebug.watch(model, **({"optimizer": model.optimizer} if backend == "tensorflow"
@@ -361,6 +373,18 @@ def test_fit_records_the_gradients_the_backends_own_autodiff_gives(backend):
     for name in (*PARAMS, *OUTPUTS):
         assert got["fit"][name] == pytest.approx(reference[name], rel=1e-5), name
         assert got["train_on_batch"][name] == pytest.approx(reference[name], rel=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_stand_alone_callback_records_what_the_with_block_records(backend):
+    out = child(backend)
+    assert out["alone_steps"] == out["fit_steps"]
+    assert set(out["alone"]) == set(out["fit"])
+    for key, value in out["fit"].items():  # fit's rows are checked against autodiff above
+        assert out["alone"][key] == pytest.approx(value, rel=1e-6), key
+    assert not out["alone_active_after_fit"]  # fit's end left the Watcher: no hook remains
+    assert out["alone_refit_new_watcher"]
 
 
 @pytest.mark.slow

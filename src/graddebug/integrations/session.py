@@ -104,6 +104,12 @@ class CallbackSession:
         self._owned = True
         self._own: Watcher | None = None  # the Watcher this session entered
 
+    @property
+    def owned(self) -> bool:
+        """Whether the session enters a Watcher of its own (a stand-alone callback), rather
+        than serving one a ``with`` block holds."""
+        return self._owned
+
     def bind(self, context: CallbackContext) -> None:
         """Serve an active Watcher instead of making one: its ``with`` block stays in charge.
 

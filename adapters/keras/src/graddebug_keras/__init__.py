@@ -1,9 +1,10 @@
 """The Keras wing of graddebug: the half of Keras support that every backend shares, and Keras 3
 on the torch and JAX backends.
 
-Users do not import this package: ``graddebug.watch(model)`` finds it through the
-``graddebug`` entry-point group, and ``dbg.callback()`` is this package's Keras callback on
-every backend. The TensorFlow adapter (``graddebug_tensorflow``) watches Keras on the
+``graddebug.watch(model)`` finds this package through the ``graddebug`` entry-point group, and
+``dbg.callback()`` is its Keras callback on every backend; users import it for the stand-alone
+callback, ``graddebug_keras.GradDebugCallback``, which watches the model during each ``fit``.
+The TensorFlow adapter (``graddebug_tensorflow``) watches Keras on the
 TensorFlow backend and imports the shared half from here; this package never imports it.
 
 Where things are:
@@ -22,6 +23,18 @@ Where things are:
 
 from __future__ import annotations
 
+from typing import Any
+
 from graddebug_keras._version import __version__
 
-__all__ = ["__version__"]
+__all__ = ["GradDebugCallback", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """``GradDebugCallback``, the stand-alone Keras callback, imported (with Keras) when first
+    asked for."""
+    if name == "GradDebugCallback":
+        from graddebug_keras.callbacks import GradDebugCallback
+
+        return GradDebugCallback
+    raise AttributeError(f"module 'graddebug_keras' has no attribute {name!r}")

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from graddebug.errors import ConfigError
-from graddebug.integrations.session import CallbackSession
+from graddebug.integrations.session import CallbackSession, SessionResults
 from graddebug_keras.optimizers import keras_clip
 
 if TYPE_CHECKING:
-    from graddebug.adapter import CallbackContext, WatchContext
+    from graddebug.adapter import WatchContext
 
 __all__ = ["OPTIONS", "GradDebugCallback", "build_callback"]
 
@@ -41,55 +41,77 @@ OPTIONS = ("stop_on", "log", "every_tensor")
 """The options of ``dbg.callback()`` on a Keras model."""
 
 
-class GradDebugCallback(keras.callbacks.Callback):  # type: ignore[misc]
+class GradDebugCallback(SessionResults, keras.callbacks.Callback):  # type: ignore[misc]
     """Closes a graddebug step after every training batch; logs each epoch's metrics;
     optionally stops training.
 
-    Get it from the Watcher: ``model.fit(..., callbacks=[dbg.callback()])``. It binds the
-    model's optimizer when training begins, so ``model.fit`` needs no other change.
+    Stand-alone, it watches the model from the start of each ``fit`` to its end, on every
+    Keras backend, with no ``with`` block::
+
+        callback = graddebug_keras.GradDebugCallback(stop_on=("nonfinite",))
+        model.fit(x, y, callbacks=[callback])
+        callback.findings()
+
+    Inside ``with graddebug.watch(model) as dbg:``, ``model.fit(..., callbacks=[dbg.callback()])``
+    gives one bound to that Watcher instead. Either binds the model's optimizer when training
+    begins, so ``model.fit`` needs no other change.
 
     Args:
-        context: The Watcher.
-        prepare: Called with the model when training begins, before its first batch: the
-            adapter binds the model's optimizer (whose gradients, weights and updates it
-            records) and its ``compute_loss`` (the batch's loss).
         stop_on: Issues that stop training (``model.stop_training = True``) at the batch where
             they first appear; ``("nonfinite",)`` is TerminateOnNaN that names the layer.
         log: Add the metrics of each epoch's steps to the epoch's ``logs``.
         every_tensor: Add the norm of every recorded tensor too
             (``graddebug/norm/<layer>.<tensor>``).
-        loss: Returns the loss of the batch just trained once its step has closed, or None;
-            recorded as the loss row of that step.
+        **watch_options: Options of :func:`graddebug.watch` (``layers=``, ``every=``,
+            ``thresholds=``, ``log_dir=``, ...) for the stand-alone callback's Watcher,
+            except ``optimizer=`` (the model's own is bound).
+
+    Attributes:
+        watcher: The Watcher of the latest ``fit`` (None before one starts); it keeps its
+            frames after ``fit`` ends.
 
     Raises:
-        ConfigError: An unknown ``stop_on`` issue, or a ``log``/``every_tensor`` that is not a
-            bool.
-        WatcherStateError: ``context`` is not an active Watcher.
+        ConfigError: An unknown ``stop_on`` issue or watch option, or a
+            ``log``/``every_tensor`` that is not a bool.
     """
 
-    def __init__(self, context: CallbackContext, prepare: Callable[[Any], None],
-                 stop_on: Iterable[str] = (), *, log: bool = True,
-                 every_tensor: bool = False,
-                 loss: Callable[[], float | None] | None = None) -> None:
+    def __init__(self, *, stop_on: Iterable[str] | str = (), log: bool = True,
+                 every_tensor: bool = False, **watch_options: Any) -> None:
         super().__init__()
         self._session = CallbackSession(
-            "dbg.callback()", "get it inside `with graddebug.watch(model) as dbg:`.",
-            stop_on=stop_on, log=log, every_tensor=every_tensor)
-        self._session.bind(context)
-        self._prepare = prepare
-        self._loss = loss
+            "GradDebugCallback", "pass it to model.fit(callbacks=[...]) and train first.",
+            stop_on=stop_on, log=log, every_tensor=every_tensor,
+            watch_options=watch_options)
+        self._prepare: Callable[[Any], None] | None = None  # the adapter's, once known
+        self._loss: Callable[[], float | None] | None = None
         self.stop_on = self._session.stop_on
 
-    @property
-    def stop_reason(self) -> str | None:
-        """Why this callback stopped training, naming the layer; None while it has not."""
-        return self._session.stop_reason
+    def bind_adapter(self, prepare: Callable[[Any], None],
+                     loss: Callable[[], float | None] | None) -> None:
+        """Take the adapter's two functions: ``prepare`` binds the model's optimizer (whose
+        gradients, weights and updates it records) and its ``compute_loss`` when training
+        begins; ``loss`` returns the loss of the batch just trained once its step has closed,
+        or None (recorded as that step's loss row)."""
+        self._prepare, self._loss = prepare, loss
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Bind the model's optimizer and loss; learn how the optimizer clips; start the
-        session."""
-        self._prepare(self.model)
+        session (stand-alone: enter a Watcher on the model, and take its adapter's
+        functions)."""
         clip = keras_clip(getattr(self.model, "optimizer", None))
+        if self._session.owned:
+            self._session.start(self.model, clip=clip)
+            own = self._session.require().callback()  # the adapter's callback, bound to it
+            self.bind_adapter(own._prepare, own._loss)
+            assert self._prepare is not None
+            self._prepare(self.model)
+            # fit made its train function before this event, and watching dropped it so that
+            # the next trace holds the hooks: fit calls the attribute, made again here.
+            if getattr(self.model, "train_function", True) is None:
+                self.model.make_train_function()
+            return
+        assert self._prepare is not None, "a bound callback comes from build_callback()"
+        self._prepare(self.model)
         self._session.start(self.model, clip=clip)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
@@ -113,7 +135,8 @@ class GradDebugCallback(keras.callbacks.Callback):  # type: ignore[misc]
             logs.update(self._session.take_metrics())
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        """Give the Watcher its own notices back (the ``with`` block keeps the Watcher)."""
+        """Stand-alone: leave the Watcher (its frames stay readable). Bound: give the Watcher
+        its own notices back (the ``with`` block keeps it)."""
         self._session.finish()
 
 
@@ -132,4 +155,6 @@ def build_callback(context: WatchContext, prepare: Callable[[Any], None],
         raise ConfigError(
             f"dbg.callback() got unknown options {sorted(unknown)!r}; on a Keras model it "
             "takes stop_on=, log= and every_tensor=.")
-    return GradDebugCallback(context.watcher, prepare, loss=loss, **options)
+    callback = GradDebugCallback.bound(context.watcher, **options)
+    callback.bind_adapter(prepare, loss)
+    return callback
