@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from graddebug.errors import ConfigError, close_matches
+from graddebug.errors import ConfigError, MissingFrameworkError, close_matches
 
-__all__ = ["Thresholds", "as_number"]
+__all__ = ["DISABLE_VARIABLE", "Setting", "Thresholds", "as_number", "disabled", "find_pyproject",
+           "settings"]
 
 def as_number(value: object, *, integral: bool = False) -> int | float | None:
     """Return ``value`` as a plain Python number, or None when it is not a real number.
@@ -234,3 +237,134 @@ class Thresholds:
     def as_dict(self) -> dict[str, float]:
         """Return the thresholds as a plain dict (for metadata and reports)."""
         return {name: getattr(self, name) for name in self.names()}
+
+
+# -- configuration without code: the environment and pyproject.toml ---------------------------
+
+DISABLE_VARIABLE = "GRADDEBUG_DISABLE"
+"""Set to ``1`` (``true``, ``yes``, ``on``), every ``watch`` records nothing and attaches
+nothing."""
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A value set outside the code, and where it was set (for messages).
+
+    Attributes:
+        value: The value: a TOML value, or the text of an environment variable.
+        source: ``"GRADDEBUG_EVERY"``, or ``"/path/pyproject.toml [tool.graddebug]"``.
+        text: Whether ``value`` is the text of an environment variable, still to be parsed.
+    """
+
+    value: Any
+    source: str
+    text: bool
+
+
+def parse_flag(text: str, source: str) -> bool:
+    """An environment variable's text as a bool (``1``/``0``, ``true``/``false``, ...).
+
+    Raises:
+        ConfigError: Any other text; the message names the variable.
+    """
+    word = text.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ConfigError(f"{source}={text!r} must be 1 or 0 (true/false, yes/no, on/off).")
+
+
+def disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``GRADDEBUG_DISABLE`` switches graddebug off.
+
+    Raises:
+        ConfigError: The variable holds something other than a yes or a no.
+    """
+    text = (os.environ if environ is None else environ).get(DISABLE_VARIABLE)
+    return text is not None and parse_flag(text, DISABLE_VARIABLE)
+
+
+def find_pyproject(start: Path | None = None) -> Path | None:
+    """The nearest ``pyproject.toml``, from ``start`` (the current directory) upwards, as
+    pytest, ruff and mypy find theirs; None when there is none."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / "pyproject.toml"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _table(path: Path) -> dict[str, Any]:
+    """``[tool.graddebug]`` of ``path``, empty when it has none (the file is parsed only when
+    it mentions the table).
+
+    Raises:
+        ConfigError: The file is not valid TOML, or the table is not a table.
+        MissingFrameworkError: Python 3.10 without tomli, and the file has the table.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read for [tool.graddebug]: {exc}") from exc
+    if b"[tool.graddebug" not in data:
+        return {}
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[import-not-found,no-redef]
+        except ModuleNotFoundError as exc:
+            raise MissingFrameworkError(
+                f"{path} holds [tool.graddebug], and reading it on Python 3.10 needs tomli: "
+                "pip install tomli") from exc
+    try:
+        document = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path} cannot be read as TOML for [tool.graddebug]: {exc}") from exc
+    table = document.get("tool", {}).get("graddebug", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [tool.graddebug] must be a table, not {table!r}.")
+    return table
+
+
+def settings(options: tuple[str, ...], environ: Mapping[str, str] | None = None,
+             start: Path | None = None) -> tuple[dict[str, Setting], dict[str, Setting]]:
+    """The ``watch`` options and the thresholds set outside the code: each
+    ``GRADDEBUG_<NAME>`` environment variable, over ``[tool.graddebug]`` (options) and
+    ``[tool.graddebug.thresholds]`` of the nearest ``pyproject.toml``.
+
+    Args:
+        options: The option names that may be set this way.
+        environ: The environment (``os.environ``).
+        start: Where the search for ``pyproject.toml`` starts (the current directory).
+
+    Returns:
+        The options and the thresholds that are set, by name.
+
+    Raises:
+        ConfigError: The file is not valid TOML, or names an option or threshold that does
+            not exist (with the closest names).
+    """
+    environ = os.environ if environ is None else environ
+    found: tuple[dict[str, Setting], dict[str, Setting]] = ({}, {})
+    path = find_pyproject(start)
+    table = _table(path) if path is not None else {}
+    thresholds = table.pop("thresholds", {})
+    for names, given, section, into in ((options, table, "[tool.graddebug]", found[0]),
+                                        (Thresholds.names(), thresholds,
+                                         "[tool.graddebug.thresholds]", found[1])):
+        if not isinstance(given, dict):
+            raise ConfigError(f"{path}: {section} must be a table, not {given!r}.")
+        for name, value in given.items():
+            if name not in names:
+                raise ConfigError(
+                    f"{path} {section} sets {name!r}, which is not one that can be set "
+                    f"there.{close_matches(name, names)} Those are: {', '.join(names)}.")
+            into[name] = Setting(value, f"{path} {section}", text=False)
+        for name in names:
+            variable = f"GRADDEBUG_{name.upper()}"
+            if variable in environ:
+                into[name] = Setting(environ[variable], variable, text=True)
+    return found

@@ -7,23 +7,36 @@ into the run's JSON file (``every``, ``flush_every``) are stored as plain Python
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
 from graddebug.adapter import Adapter, StepResult, WatchOptions
+from graddebug.adapter.options import WATCH_OPTIONS, check_option_names
 from graddebug.capture.layers import Intervention, is_op_site, parse_interventions
-from graddebug.config import as_number
+from graddebug.config import (
+    DISABLE_VARIABLE,
+    Setting,
+    Thresholds,
+    as_number,
+    disabled,
+    parse_flag,
+    settings,
+)
 from graddebug.errors import ConfigError, MissingFrameworkError, UnknownNameError, close_matches
 from graddebug.records import Issue, Kind
 from graddebug.runs.layout import check_run_path
 
-__all__ = ["EarlyNames", "build_options", "check_flag", "check_log_dir", "check_raise_on",
-           "check_tensorboard", "check_without_model", "unmatched_error"]
+__all__ = ["CONFIGURABLE", "EarlyNames", "build_options", "check_flag", "check_log_dir",
+           "check_raise_on", "check_tensorboard", "check_without_model", "configured",
+           "unmatched_error", "with_config"]
 
 
 def _as_list(option: str, value: Any, example: str) -> list[Any] | None:
@@ -327,3 +340,103 @@ def check_without_model(model: Any, options: WatchOptions) -> None:
             f"{option}=True captures the operations of a model's forward pass, and no "
             f"model was given: watch(model, {option}=True). Without a model, tap() the "
             "tensors to watch.")
+
+
+# -- options set outside the code ---------------------------------------------------------------
+
+CONFIGURABLE: dict[str, str] = {
+    "every": "int", "full_stats_every": "int", "flush_every": "int", "keep_steps": "int",
+    "outputs": "flag", "strict": "flag", "ops": "flag", "escalate": "flag",
+    "param_stats": "text", "log_dir": "text", "tensorboard": "text", "raise_on": "names"}
+"""The ``watch`` options that ``GRADDEBUG_<OPTION>`` and ``[tool.graddebug]`` may set, and how
+an environment variable's text is read: a whole number, a flag (``1``/``0``), text, or names
+separated by commas. The others (a model's layer names, objects) belong in the code."""
+
+
+def _value(setting: Setting, kind: str) -> Any:
+    """A setting's value, its text parsed as ``kind`` when it came from the environment."""
+    if not setting.text:
+        return setting.value
+    text = str(setting.value).strip()
+    if kind == "flag":
+        return parse_flag(text, setting.source)
+    if kind == "names":
+        return [n.strip() for n in text.split(",") if n.strip()]
+    if kind == "int" or (kind == "number" and text.lstrip("+-").isdigit()):
+        try:
+            return int(text)
+        except ValueError as exc:
+            raise ConfigError(f"{setting.source}={text!r} must be a whole number.") from exc
+    if kind == "number":
+        try:
+            return float(text)
+        except ValueError as exc:
+            raise ConfigError(f"{setting.source}={text!r} must be a number.") from exc
+    return text
+
+
+def _defaults() -> dict[str, Any]:
+    """Every option at its default, as :func:`build_options` takes them."""
+    defaults = {}
+    for f in fields(WatchOptions):
+        factory: Any = f.default_factory
+        if not f.metadata.get("derived"):
+            defaults[f.name] = factory() if f.default is MISSING else f.default
+    return defaults
+
+
+def with_config(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of a ``watch``: those given, then ``GRADDEBUG_<OPTION>`` variables, then
+    ``[tool.graddebug]`` of the nearest ``pyproject.toml``, then the defaults; thresholds
+    likewise, one by one (``thresholds=`` as a :class:`Thresholds` is complete and wins).
+
+    Raises:
+        ConfigError: A value set outside the code is unusable; the message names the variable
+            or the file.
+    """
+    options, thresholds = settings(tuple(CONFIGURABLE))
+    merged = dict(given)
+    for name, setting in options.items():
+        if name in given:
+            continue
+        value = _value(setting, CONFIGURABLE[name])
+        try:
+            if name == "keep_steps":
+                _positive_int(name, value, "recorded steps of keep= gradients to hold")
+            build_options({**_defaults(), name: value})
+        except ConfigError as exc:
+            raise ConfigError(f"{setting.source}: {exc}") from exc
+        merged[name] = value
+    chosen = given.get("thresholds")
+    if thresholds and (chosen is None or isinstance(chosen, Mapping)):
+        values = {}
+        for name, setting in thresholds.items():
+            values[name] = _value(setting, "number")
+            try:
+                Thresholds().replace(**{name: values[name]})
+            except ConfigError as exc:
+                raise ConfigError(f"{setting.source}: {exc}") from exc
+        merged["thresholds"] = {**values, **(chosen or {})}
+    return merged
+
+
+P = ParamSpec("P")
+W = TypeVar("W")
+log = logging.getLogger("graddebug")
+
+
+def configured(init: Callable[Concatenate[W, P], None]) -> Callable[Concatenate[W, P], None]:
+    """Wrap the Watcher's ``__init__``: option names checked (``evry=`` raises
+    :class:`ConfigError` with the closest names, not a bare ``TypeError``), options set outside
+    the code filled in (:func:`with_config`), and under ``GRADDEBUG_DISABLE=1`` nothing written
+    (``log_dir=`` and ``tensorboard=`` dropped)."""
+    @functools.wraps(init)
+    def wrapper(self: W, /, *args: P.args, **kwargs: P.kwargs) -> None:
+        check_option_names(kwargs, "watch()", ("model", *WATCH_OPTIONS))
+        options = with_config(kwargs)
+        if disabled():
+            options = {k: v for k, v in options.items() if k not in ("log_dir", "tensorboard")}
+            log.warning("graddebug: %s is set: this watch() attaches nothing and records "
+                        "nothing.", DISABLE_VARIABLE)
+        init(self, *args, **options)
+    return wrapper

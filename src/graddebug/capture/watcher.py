@@ -32,11 +32,12 @@ from graddebug.capture.options import (
     EarlyNames,
     build_options,
     check_without_model,
+    configured,
     unmatched_error,
 )
 from graddebug.capture.results import RunResults
 from graddebug.capture.steps import Steps, StepState, loss_value, split_loss
-from graddebug.config import Thresholds
+from graddebug.config import Thresholds, disabled
 from graddebug.errors import ConfigError, WatcherStateError
 from graddebug.plugins import find_adapter, get_plugin_manager
 from graddebug.runs.layout import now
@@ -60,6 +61,7 @@ class Watcher(RunResults):
     honour raises :class:`~graddebug.errors.UnsupportedOptionError` here, when set.
     """
 
+    @configured
     def __init__(
         self,
         model: Any = None,
@@ -106,6 +108,7 @@ class Watcher(RunResults):
                             self._live, options.raise_on)
         self._started = ""
         self._early = EarlyNames(options.named)
+        self._disabled = disabled()
         refuse_at_watch(self._pm, model, options)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -120,6 +123,8 @@ class Watcher(RunResults):
             target = next(iter(self._options.params.values()))
         hooks.active = True
         self._started = self._started or now()
+        if self._disabled:  # GRADDEBUG_DISABLE (logged once, by configured): attach nothing
+            return self
         try:
             if target is not None:
                 adapter = self._attach(target)
@@ -255,9 +260,8 @@ class Watcher(RunResults):
 
         A second call with nothing captured since the last one (no backward in between)
         records nothing and warns once: ``p.grad`` still holds the gradients already recorded,
-        and recording them again would invent a step. A step with no gradient at all (called
-        before the first ``backward()``, or between the forward pass and ``backward()``)
-        warns once, saying so.
+        and recording them again would invent a step. A step with no gradient at all (before
+        ``backward()``) warns once, saying so.
 
         Args:
             grads: Parameter gradients in the order of the watched parameters, for frameworks
@@ -371,6 +375,8 @@ class Watcher(RunResults):
             raise ConfigError(f"tap name {name!r} must be a non-empty string.")
         given = Intervention(clip_value=clip_value, clip_norm=clip_norm, mask=mask, scale=scale)
         intervention = given if given.active else self._options.intervene.get(name)
+        if self._disabled:
+            return tensor
         adapter = self.adapter if self.adapter is not None else self._attach(tensor)
         return adapter.tap(tensor, name, intervention)
 
@@ -415,13 +421,7 @@ class Watcher(RunResults):
         """A ``tf.compat.v1.train.SessionRunHook`` for ``MonitoredTrainingSession(hooks=[...])``
         that adds :meth:`fetches` to each ``run`` and closes a step with what it fetched.
 
-        Args:
-            grads: As for :meth:`fetches`.
-
-        Raises:
-            WatcherStateError: Called outside the ``with`` block, or before a tap or
-                ``params=`` chose an adapter.
-            ConfigError: The Watcher watches no ``tf.compat.v1`` graph.
+        Args and errors: as for :meth:`fetches`.
         """
         adapter = self.adapter if self.active else None
         return session_graphs(adapter, "session_hook").session_hook(grads)
