@@ -37,6 +37,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "graddebug.detectors.dead",
     "graddebug.detectors.history",
     "graddebug.integrations.tensorboard",
+    "graddebug.integrations.wandb",
 )
 """Built-in plugins, registered before any installed one (modules imported by name)."""
 
