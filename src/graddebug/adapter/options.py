@@ -27,7 +27,9 @@ class WatchOptions:
     options are documented; ``watch``, the docs and the callbacks that take watch options
     point here. Their names are its fields (:data:`WATCH_OPTIONS`); an adapter declares which
     of :data:`ADAPTER_OPTIONS` it honours, and ``watch`` refuses the others when they are set
-    (:class:`~graddebug.errors.UnsupportedOptionError`).
+    (:class:`~graddebug.errors.UnsupportedOptionError`). Options with plain values can also be
+    set outside the code, by ``GRADDEBUG_<OPTION>`` or ``[tool.graddebug]`` in
+    ``pyproject.toml`` (the argument wins; see ``docs/options.md``).
 
     Attributes:
         params: ``{"W": W, ...}``: tensors (torch) or variables (TF) recorded as parameters,
