@@ -112,6 +112,9 @@ def test_bad_pyproject_values_name_the_file(project: Path) -> None:
     write(project, "[tool.graddebug.thresholds]\ndead_fraction = 3\n")
     with pytest.raises(ConfigError, match=r"\[tool\.graddebug\.thresholds\]: .*dead_fraction"):
         graddebug.watch()
+    write(project, "[tool.graddebug]\nlog_dir = 'runs'\n")  # a new directory per run
+    with pytest.raises(ConfigError, match="sets 'log_dir', which is not one"):
+        graddebug.watch()
     write(project, "[tool.graddebug]\nevery = \n")
     with pytest.raises(ConfigError, match="cannot be read as TOML"):
         graddebug.watch()

@@ -42,7 +42,7 @@ def watch(model: Any = None, **options: Any) -> Watcher:
             there (their names: :data:`graddebug.adapter.options.WATCH_OPTIONS`).
 
     Returns:
-        A :class:`Watcher`, to be entered with ``with``.
+        A :class:`Watcher`, to be entered with ``with`` (or started with ``.start()``).
 
     Raises:
         ConfigError: An option has an unusable value or an unknown name (with the closest

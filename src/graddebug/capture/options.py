@@ -347,10 +347,12 @@ def check_without_model(model: Any, options: WatchOptions) -> None:
 CONFIGURABLE: dict[str, str] = {
     "every": "int", "full_stats_every": "int", "flush_every": "int", "keep_steps": "int",
     "outputs": "flag", "strict": "flag", "ops": "flag", "escalate": "flag",
-    "param_stats": "text", "log_dir": "text", "tensorboard": "text", "raise_on": "names"}
+    "param_stats": "text", "tensorboard": "text", "raise_on": "names"}
 """The ``watch`` options that ``GRADDEBUG_<OPTION>`` and ``[tool.graddebug]`` may set, and how
 an environment variable's text is read: a whole number, a flag (``1``/``0``), text, or names
-separated by commas. The others (a model's layer names, objects) belong in the code."""
+separated by commas. The others belong in the code: a model's layer names, objects, and
+``log_dir``, which must be a new directory for each run (one set for every Watcher of a
+process would refuse the second)."""
 
 
 def _value(setting: Setting, kind: str) -> Any:

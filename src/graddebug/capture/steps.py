@@ -280,7 +280,11 @@ class Steps:
 
     def by_optimizer(self) -> None:
         """Called by the adapter after each step of the optimizer given to ``watch``: close
-        the step, unless ``dbg.step()`` closed it already and nothing arrived since."""
+        the step, unless ``dbg.step()`` closed it already and nothing arrived since.
+
+        Raises:
+            FindingError: The step brought a finding of an issue in ``raise_on``.
+        """
         if self.state is StepState.CLOSED_BY_USER:
             self._closed = StepState.CLOSED_BY_OPTIMIZER
             return

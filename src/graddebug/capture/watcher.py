@@ -49,8 +49,8 @@ __all__ = ["StepState", "Watcher"]
 class Watcher(RunResults):
     """Captures gradients of a model, of named tensors, or of taps, and diagnoses them.
 
-    Use it as a context manager, usually through :func:`watch`. Everything it installed is
-    removed when the ``with`` block ends, also when the block raised.
+    Use it as a context manager, usually through :func:`watch`, or :meth:`start` and :meth:`stop`
+    it. Everything it installed is removed when the block ends, also when the block raised.
 
     Args:
         model: A model of a framework whose adapter is installed (a ``torch.nn.Module``, a
