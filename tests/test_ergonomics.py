@@ -364,3 +364,21 @@ def test_jax_optax_loop_takes_a_0d_loss_positionally() -> None:
     recorded = dbg.frame().query("kind == 'loss'")["mean"].to_numpy()
     np.testing.assert_allclose(recorded, losses, rtol=1e-6)
     assert not jax.numpy.isnan(loss)
+
+
+def test_a_keras_keep_name_that_matches_nothing_raises_at_the_first_step() -> None:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="hidden"),
+                              keras.layers.Dense(1, name="head")])
+    x = tf.random.stateless_normal((16, 4), seed=(1, 2))
+    steps = []
+    with (pytest.raises(UnknownNameError, match=r"'hiden' Did you mean 'hidden'") as caught,
+          graddebug.watch(model, keep=["hiden"]) as dbg):
+        for i in range(3):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x) ** 2)
+            dbg.step(tape.gradient(loss, model.trainable_variables), loss=loss)
+            steps.append(i)
+    assert steps == [] and "by step 0" in str(caught.value)
