@@ -120,6 +120,8 @@ class _Stream:
     def log_step(self, step: int, records: Iterable[Record], findings: pd.DataFrame) -> None:
         """Log one recorded step into the host's pending row, and alert its new findings."""
         records = list(records)
+        # One round trip to wandb's service (1.3 ms here, as much as run.log itself): the only
+        # public way to learn whether the host committed the row since the last step.
         row = self.run.step
         if row != self.row:  # the host committed the previous row: a new interval begins
             self.row, self.top, self.found = row, {}, 0
