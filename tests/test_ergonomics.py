@@ -135,11 +135,14 @@ def test_a_keep_name_that_matches_nothing_raises_at_the_first_step_with_a_sugges
 
 def test_an_intervene_name_that_matches_nothing_raises_at_the_first_step() -> None:
     model = mlp()
-    (x, y), = data(1)
+    after_step = []
     with pytest.raises(UnknownNameError, match="'fc9'"), \
             graddebug.watch(model, intervene={"fc9": {"clip_norm": 1.0}}) as dbg:
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        dbg.step()
+        for x, y in data(2):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            dbg.step()
+            after_step.append(dbg.step_index)
+    assert after_step == []  # at the step, not when the block ends
 
 
 def test_a_tap_named_in_keep_is_matched_once_it_runs() -> None:
