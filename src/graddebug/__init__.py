@@ -25,6 +25,7 @@ from graddebug.config import Thresholds
 from graddebug.errors import (
     ConfigError,
     CorruptRunError,
+    EngineStepError,
     FindingError,
     GradDebugError,
     GradDebugInternalError,
@@ -84,6 +85,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "ConfigError",
     "CorruptRunError",
+    "EngineStepError",
     "Finding",
     "FindingError",
     "GradDebugError",
