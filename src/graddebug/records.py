@@ -22,6 +22,7 @@ __all__ = [
     "FINDING_DTYPES",
     "RECORD_COLUMNS",
     "RECORD_DTYPES",
+    "SEVERED_DETAIL",
     "WEIGHTED_DETAIL",
     "Cause",
     "Event",
@@ -245,6 +246,10 @@ class Event(NamedTuple):
 
 
 EVENT_COLUMNS: tuple[str, ...] = Event._fields
+
+SEVERED_DETAIL = "its input requires a gradient but its output does not"
+"""The detail of a :attr:`EventKind.DETACHED_OUTPUT` event: what a layer did whose output needs
+no gradient although one of its inputs does (a ``.detach()`` or ``tf.stop_gradient`` inside)."""
 
 WEIGHTED_DETAIL = "; weighted"
 """The suffix of a :attr:`EventKind.FORWARD_NONFINITE` detail from a layer whose output is fixed by

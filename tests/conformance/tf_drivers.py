@@ -133,10 +133,16 @@ class TapeDriver(KerasDriver):
 
 
 class FunctionDriver(TapeDriver):
-    """TF in a ``tf.function``: the same step as :class:`TapeDriver`, traced once."""
+    """TF in a ``tf.function``: the same step as :class:`TapeDriver`, traced once per
+    ``watch`` block, inside it, as the TF guide says (a function traced under an earlier block
+    records nothing, and graddebug says so at the step)."""
 
     mode = "tf-function"
     compiled = True
+
+    def watch(self, run: Any, **options: Any) -> contextlib.AbstractContextManager[Any]:
+        run.step = None  # traced anew inside this block
+        return super().watch(run, **options)
 
 
 def _break_tf(patch: pytest.MonkeyPatch) -> None:

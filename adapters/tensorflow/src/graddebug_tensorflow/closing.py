@@ -21,7 +21,15 @@ import tensorflow as tf
 
 from graddebug.adapter import StepResult
 from graddebug.capture.layers import keep_label
-from graddebug.records import WEIGHTED_DETAIL, Event, EventKind, Kind, Record, sums_record
+from graddebug.records import (
+    SEVERED_DETAIL,
+    WEIGHTED_DETAIL,
+    Event,
+    EventKind,
+    Kind,
+    Record,
+    sums_record,
+)
 from graddebug_tensorflow.captures import LossCol, ScalerCol
 from graddebug_tensorflow.params import UNMEASURED
 from graddebug_tensorflow.scaling import given_scale
@@ -267,7 +275,11 @@ def step_records(step: int, slots: Sequence[Slot], acts: np.ndarray, result: Ste
             result.events.append(Event(step, name, tname, layer.depth,
                                        EventKind.FORWARD_NONFINITE.value, what, rank))
         if not reached:
-            if ran:
+            if ran and members[0].severed:
+                result.events.append(Event(step, name, tname, layer.depth,
+                                           EventKind.DETACHED_OUTPUT.value, SEVERED_DETAIL,
+                                           rank))
+            elif ran:
                 result.events.append(Event(step, name, tname, layer.depth,
                                            EventKind.UNREACHED.value, "", rank))
             continue

@@ -88,6 +88,7 @@ class Slot:
     index: int
     row_tensor: tf.Tensor  # the row as an eager tensor: compiled writers then trace once
     keep_var: tf.Variable | None = None
+    severed: bool = False  # the layer cut the graph: its input is taped, its output is not
 
 
 def is_mask_tensor(mask: Any) -> bool:

@@ -147,22 +147,23 @@ class OutputWatch:
         def call(*args: Any, **kwargs: Any) -> Any:
             ops = self.ops
             if ops is None:
-                return self.on_output(layer, original(*args, **kwargs))
+                return self.on_output(layer, original(*args, **kwargs), args)
             with ops.layer(layer):
                 output = original(*args, **kwargs)
-            return self.on_output(layer, output)
+            return self.on_output(layer, output, args)
 
         return call
 
-    def on_output(self, layer: LayerSpec, output: Any) -> Any:
-        """``output`` of ``layer`` (a tensor, or a nest of them), with every floating tensor
-        passed through the identity that records (and alters) its gradient."""
+    def on_output(self, layer: LayerSpec, output: Any, args: Any = ()) -> Any:
+        """``output`` of ``layer`` (a tensor, or a nest of them; ``args`` its inputs), with
+        every floating tensor passed through the identity that records (and alters) its
+        gradient."""
         if self.ops is not None:
             with self.ops.own():
-                return self._watch_output(layer, output)
-        return self._watch_output(layer, output)
+                return self._watch_output(layer, output, args)
+        return self._watch_output(layer, output, args)
 
-    def _watch_output(self, layer: LayerSpec, output: Any) -> Any:
+    def _watch_output(self, layer: LayerSpec, output: Any, args: Any = ()) -> Any:
         """Watch every differentiable leaf of ``output``, or leave it as it is where nothing records
         it (eager steps ``every=`` skips, graphs' batch norms, outputs no tape watches)."""
         if layer.intervention is None and not self._ctx.recording and tf.executing_eagerly():
@@ -184,6 +185,11 @@ class OutputWatch:
             if (eager or _tape_active()) and not _taped(
                 [t for t in leaves if differentiable(t)]
             ):
+                # Where its input is watched, though, the layer itself cut the graph (a
+                # tf.stop_gradient inside its call): its output is marked as severed.
+                inputs = [t for t in tf.nest.flatten(args) if differentiable(t)]
+                if layer.capture and inputs and _taped(inputs):
+                    self._sever(layer, output, leaves, eager)
                 return output
             if layer.depth < 0:
                 layer.depth = self._take_depth()
@@ -194,6 +200,21 @@ class OutputWatch:
             ]
             return tf.nest.pack_sequence_as(output, new)
         return output  # fail-open: a graddebug bug leaves the output as it was
+
+    def _sever(self, layer: LayerSpec, output: Any, leaves: list[Any], eager: bool) -> None:
+        """Record that ``layer`` ran and cut the graph: each floating output's row says it ran
+        (and whether it was finite) and is marked severed, so that the close reports a
+        ``detached_output`` at this layer rather than a cut somewhere after it."""
+        if eager and not self._ctx.recording:
+            return
+        if layer.depth < 0:
+            layer.depth = self._take_depth()
+        for tname, t in zip(leaf_names(output, len(leaves)), leaves, strict=True):
+            if differentiable(t):
+                slot = self._slot(layer, tname, eager)
+                if slot is not None:
+                    slot.severed = True
+                    self._write_forward(slot, t, layer.check_forward, eager)
 
     def _on_dataclass(self, layer: LayerSpec, output: Any) -> Any:
         """A dataclass output, which ``tf.nest`` takes for one leaf: its fields are watched as

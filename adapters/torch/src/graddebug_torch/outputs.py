@@ -9,11 +9,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from graddebug.records import SEVERED_DETAIL
+
 __all__ = ["CHANNELS_FIRST", "KEEPS_FINITE", "SEVERED_DETAIL", "WEIGHTED", "any_requires_grad",
            "fits", "flatten", "owns_params", "tensors", "unit_dim", "watched_by_default"]
 
-SEVERED_DETAIL = "its input requires a gradient but its output does not"
-"""What a module did when its output needs no gradient although one of its inputs does."""
 
 KEEPS_FINITE: frozenset[type[nn.Module]] = frozenset({
     nn.Identity, nn.Flatten, nn.Unflatten,
