@@ -229,3 +229,51 @@ def test_efficientnet_b0_at_initialisation_gives_no_finding():
     acts = frame[(frame["kind"] == "activation") & (frame["step"] == 0)].sort_values("depth")
     assert acts["norm"].iloc[0] / acts["norm"].iloc[-1] > 70  # the old norm ratio fired
     assert dbg.findings().empty, dbg.findings()["message"].tolist()
+
+
+class Frozen(keras.layers.Layer):
+    """A weightless layer that cuts the graph inside its call."""
+
+    def call(self, x):
+        return tf.stop_gradient(x)
+
+
+def _frozen_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              Frozen(name="frozen"), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("loop", ["fit", "tape", "tf.function"])
+def test_a_cut_inside_a_weightless_layer_names_that_layer(loop):
+    model = _frozen_model()
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((32, 8)).astype("float32"), rng.integers(0, 3, 32)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        pairs = [(g, v) for g, v in zip(grads, model.trainable_variables) if g is not None]
+        model.optimizer.apply_gradients(pairs)
+        return loss
+
+    with graddebug.watch(model, optimizer=model.optimizer if loop != "fit" else None) as dbg:
+        if loop == "fit":
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[dbg.callback()])
+        else:
+            run = tf.function(step) if loop == "tf.function" else step
+            for _ in range(2):
+                dbg.step(loss=run())
+    found = dbg.findings()
+    cut = found[(found["issue"] == "cut_graph") & (found["severity"] == "error")]
+    assert list(zip(cut["layer"], cut["tensor"])) == [("frozen", "output")]
+    assert "gradient stops at 'frozen'" in cut["message"].iloc[0]
+    # The layer downstream of the cut is healthy: it has rows and no finding of its own.
+    last = model.layers[-1].name
+    assert last in set(dbg.frame()["layer"])
+    assert last not in set(found["layer"])
