@@ -258,7 +258,8 @@ def test_a_cut_inside_a_weightless_layer_names_that_layer(loop):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
-        pairs = [(g, v) for g, v in zip(grads, model.trainable_variables) if g is not None]
+        pairs = [(g, v) for g, v in zip(grads, model.trainable_variables, strict=True)
+                 if g is not None]
         model.optimizer.apply_gradients(pairs)
         return loss
 
@@ -271,7 +272,7 @@ def test_a_cut_inside_a_weightless_layer_names_that_layer(loop):
                 dbg.step(loss=run())
     found = dbg.findings()
     cut = found[(found["issue"] == "cut_graph") & (found["severity"] == "error")]
-    assert list(zip(cut["layer"], cut["tensor"])) == [("frozen", "output")]
+    assert list(zip(cut["layer"], cut["tensor"], strict=True)) == [("frozen", "output")]
     assert "gradient stops at 'frozen'" in cut["message"].iloc[0]
     # The layer downstream of the cut is healthy: it has rows and no finding of its own.
     last = model.layers[-1].name
