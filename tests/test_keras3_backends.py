@@ -17,6 +17,7 @@ import subprocess
 import sys
 import types
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -486,3 +487,23 @@ def test_on_jax_keep_is_refused_at_watch_naming_the_adapter():
     got = child("jax")
     assert "keep=" in got["keep_refused"]
     assert "keras-jax adapter" in got["keep_refused"]
+
+
+def _guide_block() -> str:
+    """The example of the Keras 3 backends guide (the block after its readme-test marker)."""
+    text = (Path(__file__).parent.parent / "docs" / "guides" / "keras3-backends.md").read_text()
+    after = text.split("<!-- readme-test: skip: Keras fixes its backend per process", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_guides_example_runs_as_written_on_each_backend(backend):
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "TF_ENABLE_ONEDNN_OPTS": "0", "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", _guide_block()], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = done.stdout.splitlines()[0]
+    assert first == f"{backend} 16 steps"  # 2 epochs of 8 batches, on the backend asked for
+    assert "Empty DataFrame" in done.stdout
