@@ -241,10 +241,13 @@ class Steps:
                 "optimizer step, after backward()."
             ))
             return None
+        bugs = len(self._buffer.internal)
         result = self.close(grads, StepState.CLOSED_BY_USER, loss)
-        # A gap that a warning (a torch.func transform, a compiled model) or an event (a cut
-        # graph) explains already is not explained twice.
+        # A gap that a warning (a torch.func transform, a compiled model), an event (a cut
+        # graph) or a bug of graddebug's (an internal_error) explains already is not
+        # explained twice.
         if (grads is None and result is not None and not hooks.warned and not result.events
+                and len(self._buffer.internal) == bugs
                 and all(r.kind == _LOSS for r in result.records)):
             hooks.warn_once("step-no-gradient", (
                 f"graddebug: dbg.step() closed step {hooks.step - 1} with no gradient since the "
