@@ -1,25 +1,31 @@
 """Every ```python block of README.md and of the documentation pages (docs/**/*.md) runs, so that
 neither can rot. Each block is one test, named after its file and line (``docs/guides/jax.md:5``).
 
+A block runs as written, as a reader would copy it: in a fresh namespace that holds only
+``__name__``, so it imports and builds everything it uses (its model, its data), and
+``test_every_block_defines_the_names_it_uses`` says which name a block reads without defining.
 An HTML comment on the line just above a block's fence says how to run it::
 
-    <!-- readme-test: setup=torch_mlp -->    run after a prelude from PRELUDES below, which
-                                             defines the names the block uses; a prelude may
-                                             also check what the block left behind
+    <!-- readme-test: check=NAME -->         after the block, CHECKS[NAME] below checks what
+                                             it left (no finding, a clip that acted); before
+                                             it, a check may isolate process-wide state (a
+                                             fresh plugin manager) or skip a missing package,
+                                             but it returns no names: the block's namespace
+                                             is not the check's to fill
     <!-- readme-test: pytest -->             the block is a test module: pytester runs it and
                                              every test in it must pass
     <!-- readme-test: slow -->               run with ``-m slow`` only (combine them:
-                                             ``setup=lightning slow``)
+                                             ``check=lightning_fit slow``)
     <!-- readme-test: skip: REASON -->       not run, for a block that cannot run anywhere
 
-A block without a comment runs on its own, in a fresh namespace, and imports what it needs. A
-block that imports tensorflow, keras or lightning is slow by itself: those imports take seconds.
-Every block runs in a temporary working directory. To run a new kind of block, add a prelude.
+A block that imports tensorflow, keras or lightning is slow by itself: those imports take
+seconds. Every block runs in a temporary working directory.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
 import re
 import sys
@@ -55,7 +61,7 @@ class Block:
 
     line: int  # of the first code line
     code: str
-    setup: str | None = None
+    check: str | None = None
     pytest: bool = False
     slow: bool = False
     skip: str | None = None
@@ -81,8 +87,13 @@ def blocks(text: str, path: str = "README.md") -> list[Block]:
                 block.skip = spec.partition(":")[2].strip() or "no reason given"
             for token in spec.split() if block.skip is None else ():
                 key, _, value = token.partition("=")
-                if key == "setup":
-                    block.setup = value
+                if key == "check":
+                    block.check = value
+                elif key == "setup":
+                    raise ValueError(
+                        f"{path}:{i}: readme-test option {token!r}: a block defines every name "
+                        "it uses, nothing runs before it; check=NAME checks what it left"
+                    )
                 elif key in ("pytest", "slow"):
                     setattr(block, key, True)
                 else:
@@ -92,6 +103,28 @@ def blocks(text: str, path: str = "README.md") -> list[Block]:
         found.append(block)
         i = end + 1
     return found
+
+
+def undefined_names(code: str) -> set[str]:
+    """The names a block reads but neither binds nor imports, builtins aside.
+
+    Scopes are not told apart: a name bound anywhere in the block counts as defined. That is
+    enough to catch a block that leans on names defined out of the reader's sight.
+    """
+    bound: set[str] = set()
+    read: set[str] = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return read - bound - set(dir(builtins))
 
 
 def _imports(code: str) -> set[str]:
@@ -104,12 +137,12 @@ def _imports(code: str) -> set[str]:
     return {name.split(".")[0] for name in names} | {n for n in names if "." in n}
 
 
-# -- preludes: set-up before a block, and a check of what it left --------------------------
+# -- checks: what a block left behind ------------------------------------------------------
 
 
 @dataclass
 class Context:
-    """What a prelude may use."""
+    """What a check may use before the block runs: never the block's namespace."""
 
     monkeypatch: pytest.MonkeyPatch
     tmp_path: Path
@@ -118,63 +151,37 @@ class Context:
 Check = Callable[[dict[str, Any]], None]
 
 
-def torch_mlp(ctx: Context) -> tuple[dict[str, Any], Check]:
-    """``model`` (a healthy He-initialised ReLU MLP), ``opt``/``optimizer`` (SGD),
-    ``data``/``loader`` (5 batches of 32), ``loss_fn`` (cross-entropy), ``graddebug``."""
-    torch = pytest.importorskip("torch")
-    from torch import nn
-    from torch.nn import functional as F
-
-    import graddebug
-
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for i in range(3):
-        linear = nn.Linear(32 if i == 0 else 64, 64)
-        nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
-        layers += [linear, nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(64, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g))
-            for _ in range(5)]
-    names = {"graddebug": graddebug, "torch": torch, "model": model, "opt": opt,
-             "optimizer": opt, "data": data, "loader": data, "loss_fn": F.cross_entropy}
+def healthy_torch_run(ctx: Context) -> Check:
+    """``dbg`` recorded one step per batch of ``loader`` and found nothing."""
+    pytest.importorskip("torch")
 
     def check(ns: dict[str, Any]) -> None:
         dbg = ns["dbg"]
-        assert sorted(dbg.frame()["step"].unique()) == list(range(len(data)))
+        assert sorted(dbg.frame()["step"].unique()) == list(range(len(ns["loader"])))
         assert dbg.findings().empty, dbg.findings()["message"].tolist()
 
-    return names, check
+    return check
 
 
-def torch_taps(ctx: Context) -> tuple[dict[str, Any], Check]:
-    """``W``, ``b`` (leaf parameters), ``x``, ``y0`` for a model-free tap."""
+def clipped_tap(ctx: Context) -> Check:
+    """``dbg`` recorded the tap ``h`` and the parameters ``W``, ``b``; the clip acted on ``h``,
+    and ``W.grad`` is ``x.T @`` the clipped gradient that ``dbg`` kept."""
     torch = pytest.importorskip("torch")
-
-    import graddebug
-
-    g = torch.Generator().manual_seed(0)
-    names = {
-        "graddebug": graddebug, "torch": torch,
-        "W": torch.randn(4, 3, generator=g).requires_grad_(),
-        "b": torch.zeros(3).requires_grad_(),
-        "x": torch.randn(8, 4, generator=g), "y0": torch.randn(8, 3, generator=g) * 20,
-    }
 
     def check(ns: dict[str, Any]) -> None:
         frame = ns["dbg"].frame()
         assert set(frame["layer"]) == {"h", "W", "b"}
         h = frame[frame["layer"] == "h"].iloc[0]
         assert h["norm"] <= 1.0 + 1e-6 < h["pre_norm"]  # the clip acted, as the comment says
+        kept = torch.from_numpy(ns["dbg"].tensors(0)["h"])
+        torch.testing.assert_close(ns["W"].grad, ns["x"].T @ kept)
 
-    return names, check
+    return check
 
 
-def fresh_plugins(ctx: Context) -> tuple[dict[str, Any], Check]:
-    """``graddebug`` whose ``get_plugin_manager()`` is a fresh manager, so that a block that
-    registers a plugin leaves the process-wide one alone."""
+def fresh_plugins(ctx: Context) -> Check:
+    """``graddebug.get_plugin_manager()`` is a fresh manager while the block runs, so that the
+    plugin it registers leaves the process-wide one alone; the block registered ``Slow``."""
     import graddebug
     from graddebug.plugins import new_plugin_manager
 
@@ -184,45 +191,26 @@ def fresh_plugins(ctx: Context) -> tuple[dict[str, Any], Check]:
     def check(ns: dict[str, Any]) -> None:
         assert any(type(p).__name__ == "Slow" for p in pm.get_plugins())
 
-    return {"graddebug": graddebug}, check
+    return check
 
 
-def lightning(ctx: Context) -> tuple[dict[str, Any], Check]:
-    """``lit_module`` (a LightningModule around a small MLP) and ``train_loader``."""
-    torch = pytest.importorskip("torch")
-    pl = pytest.importorskip("lightning.pytorch")
-    from torch import nn
-    from torch.nn import functional as F
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class LitMLP(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    torch.manual_seed(0)
-    loader = DataLoader(TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,))),
-                        batch_size=8)
+def lightning_fit(ctx: Context) -> Check:
+    """``trainer`` ran its 20 steps and ``callback`` recorded each of them."""
+    pytest.importorskip("torch")
+    pytest.importorskip("lightning.pytorch")
 
     def check(ns: dict[str, Any]) -> None:
         assert ns["trainer"].global_step == 20
         assert sorted(ns["callback"].frame()["step"].unique()) == list(range(20))
 
-    return {"lit_module": LitMLP(), "train_loader": loader}, check
+    return check
 
 
-PRELUDES: dict[str, Callable[[Context], tuple[dict[str, Any], Check]]] = {
-    "torch_mlp": torch_mlp,
-    "torch_taps": torch_taps,
+CHECKS: dict[str, Callable[[Context], Check]] = {
+    "healthy_torch_run": healthy_torch_run,
+    "clipped_tap": clipped_tap,
     "fresh_plugins": fresh_plugins,
-    "lightning": lightning,
+    "lightning_fit": lightning_fit,
 }
 
 
@@ -248,26 +236,22 @@ def test_readme_block_runs(block: Block, request: pytest.FixtureRequest,
         _run_as_test_module(block, request.getfixturevalue("pytester"), monkeypatch)
         return
     monkeypatch.chdir(tmp_path)  # files a block writes (log_dir="runs/...") land there
-    namespace: dict[str, Any] = {"__name__": "readme"}
     check: Check | None = None
-    if block.setup is not None:
-        prelude = PRELUDES.get(block.setup)
-        assert prelude is not None, (
-            f"{block.path}:{block.line}: setup={block.setup!r} is not a prelude of "
-            f"tests/test_readme.py; known: {', '.join(PRELUDES)}."
+    if block.check is not None:
+        make_check = CHECKS.get(block.check)
+        assert make_check is not None, (
+            f"{block.path}:{block.line}: check={block.check!r} is not a check of "
+            f"tests/test_readme.py; known: {', '.join(CHECKS)}."
         )
-        names, check = prelude(Context(monkeypatch, tmp_path))
-        namespace.update(names)
+        check = make_check(Context(monkeypatch, tmp_path))
+    namespace: dict[str, Any] = {"__name__": "readme"}  # what a reader's fresh script has
     try:
         exec(compile(source, str(ROOT / block.path), "exec"), namespace)
     except Exception as exc:
-        if block.setup is None:
-            raise AssertionError(
-                f"{block.path}:{block.line}: the block failed ({type(exc).__name__}: {exc}). "
-                "It has no readme-test comment, so it ran alone: make it self-contained, or give "
-                "it a setup= prelude (see the docstring of tests/test_readme.py)."
-            ) from exc
-        raise
+        raise AssertionError(
+            f"{block.path}:{block.line}: the block failed ({type(exc).__name__}: {exc}). It "
+            "runs as written, alone: it must import and build everything it uses."
+        ) from exc
     if check is not None:
         check(namespace)
 
@@ -305,7 +289,7 @@ def _warm_up_torch() -> None:
 def test_the_block_parser_reads_markers_and_imports() -> None:
     text = "\n".join([
         "intro", "```python", "x = 1", "```",
-        "<!-- readme-test: setup=torch_mlp slow -->", "```python", "import keras", "```",
+        "<!-- readme-test: check=healthy_torch_run slow -->", "```python", "import keras", "```",
         "<!-- readme-test: skip: needs a GPU -->", "```python", "y = 2", "```",
         "<!-- readme-test: pytest -->", "```python", "from torch import nn", "```",
         "```bash", "pip install x", "```",
@@ -313,17 +297,42 @@ def test_the_block_parser_reads_markers_and_imports() -> None:
     parsed = blocks(text, "docs/page.md")
     assert {b.path for b in parsed} == {"docs/page.md"}
     assert [b.line for b in parsed] == [3, 7, 11, 15]
-    assert (parsed[0].setup, parsed[0].slow, parsed[0].code) == (None, False, "x = 1\n")
-    assert (parsed[1].setup, parsed[1].slow, parsed[1].imports) == ("torch_mlp", True, {"keras"})
+    assert (parsed[0].check, parsed[0].slow, parsed[0].code) == (None, False, "x = 1\n")
+    assert (parsed[1].check, parsed[1].slow, parsed[1].imports) == (
+        "healthy_torch_run", True, {"keras"})
     assert parsed[2].skip == "needs a GPU"
     assert parsed[3].pytest and parsed[3].imports == {"torch"} and not parsed[3].slow
     with pytest.raises(ValueError, match=r"README\.md:1: unknown readme-test option 'sertup=x'"):
         blocks("<!-- readme-test: sertup=x -->\n```python\npass\n```")
+    with pytest.raises(ValueError, match=r"'setup=torch_mlp': a block defines every name"):
+        blocks("<!-- readme-test: setup=torch_mlp -->\n```python\nmodel\n```")
 
 
 def test_the_documents_have_the_blocks_this_module_is_written_for() -> None:
     parsed = [b for path in documents()
               for b in blocks(path.read_text(encoding="utf-8"), _name(path))]
     assert len(documents()) > 1, "no page under docs/"
-    assert {b.setup for b in parsed} >= set(PRELUDES)
+    assert {b.check for b in parsed} >= set(CHECKS)
     assert sum(b.pytest for b in parsed) >= 1
+
+
+def test_every_block_defines_the_names_it_uses() -> None:
+    # Nothing runs before a block: a name it reads and does not define is a NameError for the
+    # reader who copies it. A skipped block is an excerpt and may lean on its page's prose.
+    undefined = {
+        f"{b.path}:{b.line}": sorted(names)
+        for path in documents()
+        for b in blocks(path.read_text(encoding="utf-8"), _name(path))
+        if b.skip is None and (names := undefined_names(b.code))
+    }
+    assert not undefined, f"blocks that read names they do not define: {undefined}"
+
+
+def test_the_name_check_sees_what_a_block_leaves_undefined() -> None:
+    code = "\n".join([
+        "import torch.nn as nn", "from graddebug import watch", "x = nn.Linear(2, 1)",
+        "def f(a, *rest, key=None):", "    return [a + i for i in rest], key, loader",
+        "try:", "    pass", "except ValueError as err:", "    print(err)",
+        "with watch(model) as dbg:", "    dbg.step()",
+    ])
+    assert undefined_names(code) == {"loader", "model"}
