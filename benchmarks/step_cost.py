@@ -15,7 +15,8 @@ through ``graddebug_jax.monitor``), each under three configurations:
 - ``full``: ``watch(model)``, parameters and every layer output, every step recorded;
 - ``every``: ``params`` with ``every=10``: the skipped steps, 9 in 10.
 
-the script trains ``--warmup`` steps, then ``--steps`` timed steps. It times ``dbg.step()``
+the script trains ``--warmup`` recorded steps (and the steps skipped between them), then
+``--steps`` timed steps. It times ``dbg.step()``
 itself and, by wrapping the bound methods of the live objects (nothing in ``src/`` changes),
 ``adapter.close_step``, ``LiveFindings.observe`` and, inside it, ``History.observe``, each with
 ``time.perf_counter_ns``. The rest of the Watcher is the step's total less the close and the
@@ -106,6 +107,7 @@ class Probe:
         self._wrap(live, "observe", "history")
         self._wrap(live._history, "observe", "history.observe")
         self._step = dbg.step
+        self.every: int = dbg._options.every
         self.enabled = False
 
     def _wrap(self, owner: Any, name: str, piece: str) -> None:
@@ -222,7 +224,7 @@ def run_jax(config: str, steps: int, warmup: int, profile: bool, console: Consol
 
 def _loop(one: Callable[[], None], probe: Probe, steps: int, warmup: int, profile: bool,
           console: Console, top: int, title: str) -> None:
-    for _ in range(warmup):
+    for _ in range(warmup * probe.every):  # warmup recorded steps
         one()
     probe.enabled = True
     with profiled(profile, console, title, top):
@@ -236,11 +238,11 @@ RUNNERS = {"torch": run_torch, "jax": run_jax}
 
 def results_table(results: list[Result]) -> Table:
     """The results as a table: median [q1-q3] of each piece, in microseconds."""
-    table = Table(title="host time of dbg.step(), us: median [interquartile range]")
+    table = Table(title="host time of dbg.step(), us: median (interquartile range)")
     for column in ("framework", "config", "steps", "n", *PIECES):
         table.add_column(column)
     for r in results:
-        cells = [f"{p.median_us:.0f} [{p.q1_us:.0f}-{p.q3_us:.0f}]"
+        cells = [f"{p.median_us:.0f} ({p.q1_us:.0f}-{p.q3_us:.0f})"
                  for p in (r.pieces[name] for name in PIECES)]
         table.add_row(r.framework, r.config, r.kind, str(r.steps), *cells)
     return table
@@ -253,7 +255,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--steps", type=int, default=400, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=60,
-                        help="untimed steps first (past history_window, 20 by default)")
+                        help="untimed recorded steps first (past history_window, 20 by "
+                             "default), times every= for the skipping configuration")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--profile", action="store_true",
                         help="also cProfile the timed steps and print the top functions")

@@ -25,7 +25,8 @@ from graddebug.detectors._series import median_of
 from graddebug.detectors._steprows import StepRows
 from graddebug.records import Cause, Finding, Issue, Kind, Severity
 
-__all__ = ["COOLDOWN", "EventBuilder", "Family", "Moves", "Sustained"]
+__all__ = ["COOLDOWN", "STALL_MARGIN", "STALL_SLACK", "EventBuilder", "Family", "Moves",
+           "Sustained", "stalled_floor"]
 
 Family = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """One family's moves at a step: the rows that newly left their baseline, their deltas (log10),
@@ -45,6 +46,13 @@ _NO_SHIFT: Sustained = (np.empty(0, dtype=np.int64), np.empty(0), np.empty(0, dt
                         np.empty(0, dtype=np.int64), np.empty(0, dtype=bool))
 
 _PARAMETER, _ACTIVATION = Kind.PARAMETER.value, Kind.ACTIVATION.value
+
+STALL_MARGIN = 1e3
+"""The other layers count as learning, for the ``stalled`` floor, when their median
+update/weight ratio is at least this many times the floor."""
+STALL_SLACK = 10.0
+"""A stall is the optimizer's only where its update is this many times below what its own rule
+(the median update per unit of gradient) makes, and that rule clears this many floors."""
 
 COOLDOWN = 3
 """Recorded steps after an event whose new changes belong to it: a learning rate that jumps
@@ -353,3 +361,59 @@ def common_move(rows: StepRows, judged: np.ndarray, delta: np.ndarray, *, by_dep
     if not len(pool):
         pool = np.arange(len(judged))
     return float(delta[pool[int(np.argmax(rows.depth[judged[pool]]))]])
+
+
+def stalled_floor(t: Thresholds, rows: StepRows, parameter: np.ndarray, ids: np.ndarray,
+                  frozen_ids: np.ndarray) -> list[Finding]:
+    """``stalled`` at the floor: parameters whose update/weight ratio is at or below
+    ``stall_floor`` while the other layers learn, and while the optimizer's own rule (the
+    median update per unit of gradient) would have moved them.
+
+    Args:
+        t: The run's thresholds.
+        rows: The step.
+        parameter: Per row, whether it is a parameter's.
+        ids: Per row, its series id.
+        frozen_ids: Per series id, reported as stalled (until it moves again); updated here.
+
+    Returns:
+        The finding, or nothing.
+    """
+    if not np.isfinite(rows.update_norm).any():
+        return []
+    param = parameter & (rows.norm > 0) & np.isfinite(rows.norm) \
+        & (rows.weight_norm > 0) & np.isfinite(rows.update_norm)
+    if not param.any():
+        return []
+    ratio = np.where(param, rows.update_norm / np.where(param, rows.weight_norm, 1.0), np.nan)
+    frozen = param & (ratio <= t.stall_floor)
+    learning = param & ~frozen
+    frozen_ids[ids[learning]] = False
+    if not frozen.any() or not learning.any():
+        return []
+    if median_of(ratio[learning]) < t.stall_floor * STALL_MARGIN:
+        return []
+    fresh = np.flatnonzero(frozen & ~frozen_ids[ids])
+    # An update that small because the gradient is (a vanishing layer, a bias before a
+    # normalisation) is the gradient's own finding, or none: not the optimizer's fault.
+    rule = median_of(rows.update_norm[learning] / rows.norm[learning]) * rows.norm[fresh]
+    fresh = fresh[(rows.update_norm[fresh] * STALL_SLACK < rule)
+                  & (rule > rows.weight_norm[fresh] * t.stall_floor * STALL_SLACK)]
+    if not len(fresh):
+        return []
+    frozen_ids[ids[fresh]] = True
+    keys = [(str(rows.layer[i]), str(rows.tensor[i])) for i in fresh]
+    pick = max(range(len(fresh)), key=lambda k: (rows.depth[fresh[k]], keys[k]))
+    source = fresh[pick]
+    layer, tensor = keys[pick]
+    others = len({key[0] for key in keys}) - 1
+    also = f" ({others} other layer(s) too)" if others > 0 else ""
+    return [finding(
+        Issue.STALLED, Severity.WARNING, rows.step, layer,
+        (f"the optimizer did not move {layer}.{tensor} at step {rows.step}{also}: its "
+         f"update/weight ratio is {ratio[source]:.1e} while its gradient is "
+         f"{rows.norm[source]:.2g} and the other layers' median ratio is "
+         f"{median_of(ratio[learning]):.1e}. It has stopped learning: check its "
+         "parameter group's learning rate, and that the optimizer holds it."),
+        tensor=tensor, value=float(ratio[source]), threshold=t.stall_floor,
+        cause=Cause.OPTIMIZER)]

@@ -119,8 +119,9 @@ class Rings:
     def medians(self, slots: np.ndarray) -> np.ndarray:
         """The baselines of full rings: the medians of :meth:`judge`, without the spreads."""
         window = self.window
-        ordered = np.sort(self._values[slots], axis=1)
-        return np.asarray(0.5 * (ordered[:, (window - 1) // 2] + ordered[:, window // 2]))
+        ordered = self._values[slots]  # a copy, sorted in place: np.sort would copy it again
+        ordered.sort(axis=1)
+        return 0.5 * (ordered[:, (window - 1) // 2] + ordered[:, window // 2])
 
     def held(self, slots: np.ndarray) -> np.ndarray:
         """Each slot's last ``window`` values, in ring order (NaN where fewer were pushed)."""
@@ -135,8 +136,9 @@ class Rings:
         if not len(slots):
             return
         count = self._count
-        self._values[slots, count[slots] % self.window] = values
-        count[slots] += 1
+        at = count[slots]
+        self._values[slots, at % self.window] = values
+        count[slots] = at + 1
 
 
 def _medians(values: np.ndarray, filled: np.ndarray) -> np.ndarray:
@@ -167,6 +169,7 @@ class Layout:
             are contiguous (the frame order puts them so), else as indices.
         slots: The ring slots of every row's gradient, then of every parameter row's
             update/weight ratio (see :class:`Rings`), in that order.
+        param_ids: The series ids of the parameter rows (``ids[params]``).
     """
 
     def __init__(self) -> None:
@@ -179,6 +182,7 @@ class Layout:
         self.params: slice | np.ndarray = slice(0, 0)
         self.outputs: slice | np.ndarray = slice(0, 0)
         self.slots = np.empty(0, dtype=np.int64)
+        self.param_ids = np.empty(0, dtype=np.int64)
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
@@ -206,7 +210,8 @@ class Layout:
         self.gradient = kind != _LOSS
         self.params = _as_slice(self.parameter.nonzero()[0])
         self.outputs = _as_slice(self.activation.nonzero()[0])
-        self.slots = np.concatenate((2 * self.ids, 2 * self.ids[self.params] + 1))
+        self.param_ids = self.ids[self.params]
+        self.slots = np.concatenate((2 * self.ids, 2 * self.param_ids + 1))
         return False
 
 

@@ -33,11 +33,13 @@ from graddebug.config import Thresholds
 from graddebug.detectors import Evidence, finding
 from graddebug.detectors._events import (
     COOLDOWN,
+    STALL_MARGIN,
     EventBuilder,
     Family,
     Family3,
     Moves,
     common_move,
+    stalled_floor,
 )
 from graddebug.detectors._loss import LossHistory
 from graddebug.detectors._series import Layout, Rings, Zeros, grown, median_of
@@ -49,13 +51,6 @@ from graddebug.records import Cause, Finding, Issue, Kind, Severity
 __all__ = ["COOLDOWN", "STALL_MARGIN", "History", "graddebug_findings"]
 
 _PARAMETER, _ACTIVATION = Kind.PARAMETER.value, Kind.ACTIVATION.value
-STALL_MARGIN = 1e3
-"""The other layers count as learning, for the ``stalled`` floor, when their median
-update/weight ratio is at least this many times the floor."""
-STALL_SLACK = 10.0
-"""A stall is the optimizer's only where its update is this many times below what its own rule
-(the median update per unit of gradient) makes, and that rule clears this many floors."""
-
 
 class History:
     """The streaming rules of one run, fed one recorded step at a time.
@@ -151,23 +146,15 @@ class History:
         # "not (x < y)": a NaN anywhere fails every check
         if not (norm.min() > 0 and norm.max() < math.inf):
             return False  # no log below can warn: np.errstate alone cost 12 us
-        if weight.min() > 0 and update.min() > 0 \
-                and max(weight.max(), update.max()) < math.inf \
+        low = update.min()
+        if weight.min() > 0 and low >= 0 and max(weight.max(), update.max()) < math.inf \
                 and rows.numel.min() >= t.history_numel:
-            if not (self._all_full or self._rings.full(layout.slots)):
-                return False  # calm was judged on a step where some series were left out
-            self._all_full = True
-            ratio = update / weight
-            if not ratio.min() > t.stall_floor:
-                return False
-            values = np.concatenate((np.log10(norm), np.log10(ratio)))
-            logs = np.log10(weight)
-            slots, weights, grads = layout.slots, layout.ids[params], len(norm)
+            series = self._whole_series(norm, weight, update, low > 0)
         else:
             series = self._some_series(rows, norm, weight, update)
-            if series is None:
-                return False
-            slots, values, logs, weights, grads = series
+        if series is None:
+            return False
+        slots, values, logs, weights, grads = series
         size = np.abs(values - self._rings.medians(slots))
         if not (2 * size[:grads].max(initial=0.0) < self._quiet_grad
                 and 2 * size[grads:].max(initial=0.0) < self._quiet_ratio):
@@ -190,6 +177,43 @@ class History:
         self._rings.push(slots, values)
         self._weights.push(weights, logs)
         return True
+
+    def _whole_series(self, norm: np.ndarray, weight: np.ndarray, update: np.ndarray,
+                      moving: bool
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
+        """The quiet checks' series where every row is judged (every tensor of
+        ``history_numel`` entries or more, every weight norm positive and finite, every update
+        norm finite), as :meth:`_some_series` gives them, in fewer array operations: every
+        ratio where every update is positive (``moving``), else those of the updates that
+        moved the weights (a conv's bias before a batch norm, a layer whose gradient vanished,
+        gets an update of 0). None where a series is not full or the stall floor could speak.
+
+        Returns:
+            As :meth:`_some_series`.
+        """
+        t, layout = self._t, self._layout
+        ratio = update / weight
+        if moving:
+            if not (self._all_full or self._rings.full(layout.slots)):
+                return None  # calm was judged on a step where some series were left out
+            self._all_full = True
+            if not ratio.min() > t.stall_floor:
+                return None
+            slots = layout.slots
+        else:
+            frozen = ratio <= t.stall_floor
+            learning = ratio[~frozen]
+            if len(learning) and median_of(learning) >= t.stall_floor * STALL_MARGIN:
+                return None
+            moved = ratio > 0
+            ratio = ratio[moved]
+            grads = len(norm)
+            slots = np.concatenate((layout.slots[:grads], layout.slots[grads:][moved]))
+            if not self._rings.full(slots):
+                return None
+        # one log10 for both families (the values of _changes, to the last bit)
+        values = np.log10(np.concatenate((norm, ratio)))
+        return slots, values, np.log10(weight), layout.param_ids, len(norm)
 
     def _some_series(self, rows: StepRows, norm: np.ndarray, weight: np.ndarray,
                      update: np.ndarray
@@ -345,47 +369,8 @@ class History:
     # -- the optimizer stopped moving a layer -------------------------------------------------
 
     def _stalled_floor(self, rows: StepRows) -> list[Finding]:
-        t = self._t
-        if not np.isfinite(rows.update_norm).any():
-            return []
-        param = self._layout.parameter & (rows.norm > 0) & np.isfinite(rows.norm) \
-            & (rows.weight_norm > 0) & np.isfinite(rows.update_norm)
-        if not param.any():
-            return []
-        ratio = np.where(param, rows.update_norm / np.where(param, rows.weight_norm, 1.0),
-                         np.nan)
-        frozen = param & (ratio <= t.stall_floor)
-        learning = param & ~frozen
-        ids = self._layout.ids
-        self._frozen[ids[learning]] = False
-        if not frozen.any() or not learning.any():
-            return []
-        if median_of(ratio[learning]) < t.stall_floor * STALL_MARGIN:
-            return []
-        fresh = _where(frozen & ~self._frozen[ids])
-        # An update that small because the gradient is (a vanishing layer, a bias before a
-        # normalisation) is the gradient's own finding, or none: not the optimizer's fault.
-        rule = median_of(rows.update_norm[learning] / rows.norm[learning]) * rows.norm[fresh]
-        fresh = fresh[(rows.update_norm[fresh] * STALL_SLACK < rule)
-                      & (rule > rows.weight_norm[fresh] * t.stall_floor * STALL_SLACK)]
-        if not len(fresh):
-            return []
-        self._frozen[ids[fresh]] = True
-        keys = [(str(rows.layer[i]), str(rows.tensor[i])) for i in fresh]
-        pick = max(range(len(fresh)), key=lambda k: (rows.depth[fresh[k]], keys[k]))
-        source = fresh[pick]
-        layer, tensor = keys[pick]
-        others = len({key[0] for key in keys}) - 1
-        also = f" ({others} other layer(s) too)" if others > 0 else ""
-        return [finding(
-            Issue.STALLED, Severity.WARNING, rows.step, layer,
-            (f"the optimizer did not move {layer}.{tensor} at step {rows.step}{also}: its "
-             f"update/weight ratio is {ratio[source]:.1e} while its gradient is "
-             f"{rows.norm[source]:.2g} and the other layers' median ratio is "
-             f"{median_of(ratio[learning]):.1e}. It has stopped learning: check its "
-             "parameter group's learning rate, and that the optimizer holds it."),
-            tensor=tensor, value=float(ratio[source]), threshold=t.stall_floor,
-            cause=Cause.OPTIMIZER)]
+        return stalled_floor(self._t, rows, self._layout.parameter, self._layout.ids,
+                             self._frozen)
 
     # -- units that die --------------------------------------------------------------------
 
