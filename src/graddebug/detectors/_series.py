@@ -121,7 +121,8 @@ class Rings:
         window = self.window
         ordered = self._values[slots]  # a copy, sorted in place: np.sort would copy it again
         ordered.sort(axis=1)
-        return 0.5 * (ordered[:, (window - 1) // 2] + ordered[:, window // 2])
+        median: np.ndarray = 0.5 * (ordered[:, (window - 1) // 2] + ordered[:, window // 2])
+        return median
 
     def held(self, slots: np.ndarray) -> np.ndarray:
         """Each slot's last ``window`` values, in ring order (NaN where fewer were pushed)."""
