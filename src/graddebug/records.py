@@ -72,7 +72,9 @@ class Record(NamedTuple):
         std: Population standard deviation of the entries (NaN where not measured).
         absmax: Largest absolute entry (NaN where not measured).
         zero_frac: Fraction of units (features or channels) whose gradient is zero over the
-            whole batch (NaN where the tensor has no unit axis or it was not measured).
+            whole batch (NaN where the tensor has no unit axis or it was not measured). For
+            a 1-D parameter (a bias), whose entries are its units: the share of its gradient's
+            entries that are exactly 0, on every recorded step; NaN for other parameters.
         nan: The gradient holds at least one NaN.
         inf: The gradient holds at least one +-Inf (reported as False when NaN is also present
             and the adapter cannot tell).

@@ -34,6 +34,7 @@ class HookSide:
         escalation: Op-level capture armed by findings (``escalate=True``), or None.
         ops: Op-level capture on every recorded step (``ops=True``).
         strict: Raise on a bug inside a hook instead of recording it.
+        dead_fraction: The share of dead units that makes the next recorded step full.
 
     Attributes:
         active: Whether the ``with`` block is running (the Watcher sets it).
@@ -42,11 +43,11 @@ class HookSide:
 
     def __init__(self, watcher: CallbackContext, buffer: RunBuffer, *, every: int,
                  full_stats_every: int, escalation: Escalation | None, ops: bool,
-                 strict: bool) -> None:
+                 strict: bool, dead_fraction: float = 0.7) -> None:
         self._watcher = watcher
         self._buffer = buffer
         self.every = every
-        self.tiers = StatTiers(every, full_stats_every)
+        self.tiers = StatTiers(every, full_stats_every, dead_fraction)
         self.escalation = escalation
         self._ops = ops
         self.strict = strict

@@ -9,7 +9,12 @@ sentinel looked unusual:
 
 - a layer-output gradient was NaN or Inf;
 - a layer output's norm moved by more than :data:`JUMP` times (either way) from its norm at the
-  last step that measured everything.
+  last step that measured everything;
+- units died: a 1-D parameter's ``zero_frac`` (a bias's entries whose gradient is exactly 0,
+  measured on every recorded step: a unit that got no gradient from the whole batch gives its
+  bias none) reached ``dead_fraction`` on this step and had not on the last, or a full step
+  found a layer output's units dead that were not at the full step before. Units that die
+  mid-run are then measured on the next two recorded steps, which the ``dead`` rule needs.
 
 With ``every=`` greater than 1 every recorded step measures everything: recorded steps are then
 rare already. On the other steps, ``absmax`` and ``zero_frac`` of layer-output rows are NaN.
@@ -38,12 +43,16 @@ class StatTiers:
         every: The watch's ``every=``; above 1, every recorded step is full.
         full_every: The watch's ``full_stats_every=``: one recorded step in this many is
             full (1: all of them).
+        dead_fraction: The fraction of dead units that arms the next step
+            (:attr:`~graddebug.config.Thresholds.dead_fraction`).
     """
 
-    def __init__(self, every: int, full_every: int) -> None:
+    def __init__(self, every: int, full_every: int, dead_fraction: float = 0.7) -> None:
         self.full_every = 1 if every > 1 else full_every
+        self._dead = dead_fraction
         self._armed = False
         self._reference: dict[tuple[str, str], float] = {}
+        self._zeroed: set[tuple[str, str]] = set()  # rows whose zero_frac was >= dead
 
     def full(self, step: int) -> bool:
         """Whether recorded step ``step`` measures every statistic of layer outputs."""
@@ -51,24 +60,29 @@ class StatTiers:
 
     def after(self, step: int, result: StepResult) -> None:
         """Read the rows of recorded step ``step``: a full step sets the reference norms; an
-        unusual sentinel makes the next recorded step full."""
+        unusual sentinel, or units that died, make the next recorded step full."""
         if self.full_every == 1:
             return
-        reference = self._reference
-        if self.full(step):
-            self._armed = False
+        reference, zeroed, dead = self._reference, self._zeroed, self._dead
+        full = self.full(step)
+        armed = unusual = False
+        for r in result.records:
+            kind, zero = r.kind, r.zero_frac
+            if zero == zero:  # measured: a 1-D parameter's always, an output's on full steps
+                key = (r.layer, r.tensor)
+                if zero < dead:
+                    zeroed.discard(key)
+                elif key not in zeroed:
+                    zeroed.add(key)
+                    armed = True
+            if kind != _ACTIVATION or full or unusual:
+                continue
+            norm = r.norm
+            before = reference.get((r.layer, r.tensor))
+            unusual = not math.isfinite(norm) or (before is not None and (
+                norm > JUMP * before or before > JUMP * norm))
+        if full:
             for r in result.records:
                 if r.kind == _ACTIVATION and math.isfinite(r.norm):
                     reference[(r.layer, r.tensor)] = r.norm
-            return
-        for r in result.records:
-            if r.kind != _ACTIVATION:
-                continue
-            norm = r.norm
-            if not math.isfinite(norm):
-                self._armed = True
-                return
-            before = reference.get((r.layer, r.tensor))
-            if before is not None and (norm > JUMP * before or before > JUMP * norm):
-                self._armed = True
-                return
+        self._armed = armed or unusual

@@ -103,7 +103,7 @@ class Watcher(RunResults):
             self, buffer, every=options.every, full_stats_every=options.full_stats_every,
             escalation=(Escalation(self.thresholds)
                         if options.escalate and not options.ops else None),
-            ops=options.ops, strict=options.strict)
+            ops=options.ops, strict=options.strict, dead_fraction=self.thresholds.dead_fraction)
         self._steps = Steps(self._hooks, buffer, self._pm, self, options.optimizer,
                             self._live, options.raise_on)
         self._started = ""
@@ -271,9 +271,9 @@ class Watcher(RunResults):
                 framework, a Python or numpy number) is the loss: ``dbg.step(loss)`` is
                 ``dbg.step(loss=loss)``.
             loss: The step's loss (a Python number, or a one-element tensor or array of any
-                framework; read once, a host transfer), recorded as a ``kind="loss"`` row
-                and judged by the ``loss_spike`` rule. Optional: the training callbacks pass
-                it themselves.
+                framework; read on recorded steps only, a host transfer), recorded as a
+                ``kind="loss"`` row and judged by the ``loss_spike`` rule. Optional: the
+                training callbacks pass it themselves.
 
         Returns:
             The step's records, events and kept gradients; None when ``every=`` skipped it, or
@@ -294,7 +294,7 @@ class Watcher(RunResults):
                 "step() was called outside the `with graddebug.watch(...)` block (or before "
                 "dbg.start()); call it inside the block, once per optimizer step.")
         grads, loss = split_loss(grads, loss)
-        result = self._steps.by_user(grads, loss_value(loss, "step(loss=...)"))
+        result = self._steps.by_user(grads, loss)
         if result is not None:
             self._early.after_step(self.adapter, result, self.step_index - 1)
         return result

@@ -32,7 +32,7 @@ _ACT = Kind.ACTIVATION.value
 _PARAM = Kind.PARAMETER.value
 # The columns' order, which the unpacking of rows below relies on.
 assert ACT_COLUMNS[:5] == ("sumsq", "total", "absmax", "zero_frac", "pre_sumsq")
-assert PARAM_COLUMNS == ("sumsq", "total", "absmax", "weight_sumsq", "update_sumsq")
+assert PARAM_COLUMNS == ("sumsq", "total", "absmax", "weight_sumsq", "update_sumsq", "zero_frac")
 _PRESENT, _FORWARD_BAD = ACT_COLUMNS.index("present"), ACT_COLUMNS.index("forward_bad")
 
 INPUT_LAYER = "input"
@@ -229,9 +229,9 @@ class StepRows:
             depth = self._namer(path)[2]
             if depth >= 0:
                 self._named[path] = (layer, tensor, depth, shape_text, numel)
-        sumsq, total, absmax, weight_sumsq, update_sumsq = row
+        sumsq, total, absmax, weight_sumsq, update_sumsq, zero = row
         nan = math.isnan(sumsq)  # a NaN entry makes the sum of squares NaN
         inf = math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sumsq)
         return sums_record(
             step, layer, tensor, _PARAM, depth, shape_text, numel, _sqrt(sumsq), total, absmax,
-            math.nan, nan, inf, math.nan, 0, _sqrt(weight_sumsq), _sqrt(update_sumsq))
+            zero, nan, inf, math.nan, 0, _sqrt(weight_sumsq), _sqrt(update_sumsq))

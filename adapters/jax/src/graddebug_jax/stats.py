@@ -9,12 +9,13 @@ and the absolute maximum (a NaN entry makes both NaN, an Inf entry makes the max
 they cost no pass of their own.
 
 A parameter row (:data:`PARAM_COLUMNS`) holds the gradient's sum of squares (plus its sum and
-absolute maximum with ``param_stats="full"``), and the sums of squares of the weight and of the
-update the optimizer applied. The gradient's are exact. The weight's and the update's are read
-from the fixed strided samples of the plan every adapter shares
-(:func:`graddebug.sampling.plan`): reading every entry of both tripled the bytes the statistics
-read, and on the benchmark's MLP doubled what the statistics cost inside the step (the
-Performance page has the numbers).
+absolute maximum with ``param_stats="full"``), the sums of squares of the weight and of the
+update the optimizer applied, and for a 1-D gradient (a bias, a normalisation's scale) the
+fraction of its entries that are exactly 0: the units that got no gradient from the batch. The
+gradient's are exact. The weight's and the update's are read from the fixed strided samples of
+the plan every adapter shares (:func:`graddebug.sampling.plan`): reading every entry of both
+tripled the bytes the statistics read, and on the benchmark's MLP doubled what the statistics
+cost inside the step (the Performance page has the numbers).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ ACT_COLUMNS = ("sumsq", "total", "absmax", "zero_frac", "pre_sumsq", "present", 
 (a symbolic zero: the graph is cut above it), ``forward_bad`` the output's :func:`forward_code`
 in the forward pass."""
 
-PARAM_COLUMNS = ("sumsq", "total", "absmax", "weight_sumsq", "update_sumsq")
+PARAM_COLUMNS = ("sumsq", "total", "absmax", "weight_sumsq", "update_sumsq", "zero_frac")
 """The columns of a parameter row (NaN where not measured)."""
 
 def _nan() -> jax.Array:
@@ -131,7 +132,8 @@ def sampled_sumsq(leaf: Any, stride: int) -> jax.Array:
 
 def param_rows(grads: Sequence[Any], updates: Sequence[Any] | None,
                weights: Sequence[Any] | None, full: bool) -> jax.Array:
-    """The rows of the parameter gradients, as one ``(len(grads), 5)`` float32 array.
+    """The rows of the parameter gradients, as one ``(len(grads), 6)`` float32 array
+    (:data:`PARAM_COLUMNS`).
 
     Args:
         grads: The gradient leaves.
@@ -149,7 +151,8 @@ def param_rows(grads: Sequence[Any], updates: Sequence[Any] | None,
         absmax = (jnp.max(jnp.abs(g)) if g.size else jnp.float32(0.0)) if full else _nan()
         weight = sampled_sumsq(weights[i], strides[i]) if weights is not None else _nan()
         update = sampled_sumsq(updates[i], strides[i]) if updates is not None else _nan()
-        rows.append(jnp.stack([jnp.sum(g * g), total, absmax, weight, update]))
+        zero = jnp.mean((g == 0).astype(jnp.float32)) if g.ndim == 1 and g.size else _nan()
+        rows.append(jnp.stack([jnp.sum(g * g), total, absmax, weight, update, zero]))
     if not rows:
         return jnp.zeros((0, len(PARAM_COLUMNS)), jnp.float32)
     return jnp.stack(rows)

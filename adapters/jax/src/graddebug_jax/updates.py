@@ -60,7 +60,7 @@ class MonitorState(NamedTuple):
 
     Attributes:
         inner: ``inner``'s state.
-        rows: The last stored update's parameter rows, ``(parameters, 5)`` float32 (zeros
+        rows: The last stored update's parameter rows, ``(parameters, 6)`` float32 (zeros
             before the first; an update that sent its rows by callback leaves them).
         extra: The other statistics of the last update's step, flattened into
             :func:`extra_size` float32 values: first the key of their layout (0: none stored,

@@ -377,7 +377,7 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
                 result.events.append(Event(step, p.layer, p.tensor, depth(p),
                                            EventKind.NO_GRAD.value))
             continue
-        _, sq, total, absmax = row
+        _, sq, total, absmax, zero = row
         if p.shape is None:  # a variable's shape is fixed: its text and size, once
             shape = tuple(int(d) for d in p.var.shape)
             p.shape = (str(shape), int(np.prod(shape, dtype=np.int64)))
@@ -385,7 +385,7 @@ def param_records(step: int, params: Sequence[Param], rows: np.ndarray, result: 
                           if measured and updates is not None else (math.nan, math.nan))
         result.records.append(sums_record(
             step, p.layer, p.tensor, _PARAMETER, depth(p), p.shape[0], p.shape[1],
-            math.sqrt(sq) if sq >= 0 else math.nan, total, absmax, math.nan, math.isnan(sq),
+            math.sqrt(sq) if sq >= 0 else math.nan, total, absmax, zero, math.isnan(sq),
             math.isinf(absmax) if not math.isnan(absmax) else math.isinf(sq), math.nan, 0,
             weight, update))
         if p.keep_var is not None:

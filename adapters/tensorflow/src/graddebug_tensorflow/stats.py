@@ -66,7 +66,7 @@ NOT_MEASURED = -2.0
 is not full (:mod:`graddebug.capture.tiers`)."""
 
 ACT_WIDTH = Col.DIMS + MAX_DIMS
-PARAM_WIDTH = 4  # written, sum of squares, sum, absmax
+PARAM_WIDTH = 5  # written, sum of squares, sum, absmax, zero fraction
 _ROW = tf.float64
 
 
@@ -155,22 +155,30 @@ def unscale_param_rows(rows: tf.Tensor, scale: Any) -> tf.Tensor:
     ``scale**2``, the sum and ``absmax`` by ``scale``. Cheaper than unscaling the gradients
     themselves, which would take a gradient-sized temporary each."""
     s = tf.cast(tf.convert_to_tensor(scale), _ROW)
-    return rows / tf.stack([tf.constant(1.0, _ROW), s * s, s, s])
+    one = tf.constant(1.0, _ROW)
+    return rows / tf.stack([one, s * s, s, s, one])
 
 
 def param_row(grad: Any, full: bool) -> tf.Tensor:
-    """``[1, sum of squares, sum, absmax]`` of a parameter gradient (sum and absmax NaN unless
-    ``full``). ``tf.IndexedSlices`` are measured on their stored rows."""
+    """``[1, sum of squares, sum, absmax, zero fraction]`` of a parameter gradient (sum and
+    absmax NaN unless ``full``; the share of exactly-zero entries for a 1-D gradient, a bias
+    whose zeros are the units that got no gradient from the batch, NaN for the others).
+    ``tf.IndexedSlices`` are measured on their stored rows."""
+    nan = tf.constant(float("nan"), _ROW)
     if isinstance(grad, tf.IndexedSlices):
         grad = grad.values
-    nan = tf.constant(float("nan"), _ROW)
+        zero = nan
+    elif grad.shape.rank == 1 and grad.shape[0] != 0:
+        zero = _scalar(tf.reduce_mean(tf.cast(tf.equal(grad, 0), _ROW)))
+    else:
+        zero = nan
     if full:
         wide = grad if grad.dtype in (tf.float32, tf.float64) else tf.cast(grad, tf.float32)
         total = _scalar(tf.reduce_sum(wide))
         absmax = _scalar(tf.maximum(tf.reduce_max(wide), -tf.reduce_min(wide)))
     else:
         total = absmax = nan
-    return tf.stack([tf.constant(1.0, _ROW), _scalar(square_sum(grad)), total, absmax])
+    return tf.stack([tf.constant(1.0, _ROW), _scalar(square_sum(grad)), total, absmax, zero])
 
 
 def apply_intervention(grad: tf.Tensor, spec: Intervention) -> tf.Tensor:

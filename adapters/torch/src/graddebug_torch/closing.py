@@ -31,7 +31,13 @@ from graddebug_torch.distributed import local_slice, summed_by_ranks, whole
 from graddebug_torch.params import ParamRow
 from graddebug_torch.rows import activation_row, param_record
 from graddebug_torch.staging import GroupStats, SmallGrads, StagedGroup
-from graddebug_torch.stats import param_norms, stack_scalars, sum_and_absmax, unit_summary
+from graddebug_torch.stats import (
+    param_norms,
+    stack_scalars,
+    sum_and_absmax,
+    unit_summary,
+    zero_counts,
+)
 from graddebug_torch.updates import UpdateWatch
 
 __all__ = ["gather"]
@@ -295,9 +301,16 @@ class _Parameters:
         self._present = present
         self._full = full
         self._whole_kept = whole_kept
-        self._grads = [_measured(p) for p in present]
+        self._grads = grads = [_measured(p) for p in present]
         self._norm_parts: list[tuple[list[int], slice]] = []
         self._full_slots: dict[int, slice] = {}
+        # 1-D gradients (biases, a normalisation's scale and shift), by device: their zero
+        # entries are the units that got no gradient, counted on every recorded step
+        self._vectors: dict[torch.device, list[int]] = {}
+        for i, (p, g) in enumerate(zip(present, grads, strict=True)):
+            if g.dim() == 1 and not p.sharded and not g.is_sparse and g.numel():
+                self._vectors.setdefault(g.device, []).append(i)
+        self._zero_slots: list[tuple[list[int], slice]] = []
 
     def queue(self, batch: _HostBatch) -> None:
         """Queue the norms (and with ``full`` the sums and maxima) of the gradients."""
@@ -308,6 +321,8 @@ class _Parameters:
         if self._full:
             self._full_slots = {i: batch.add(sum_and_absmax(_dense(g)))
                                 for i, g in enumerate(self._grads)}
+        self._zero_slots = [(order, batch.add(zero_counts([self._grads[i] for i in order])))
+                            for order in self._vectors.values()]
         if self._weights is not None:
             self._weights.queue(batch)
 
@@ -324,16 +339,20 @@ class _Parameters:
             weight_norms, update_norms = self._weights.read(batch, present)
         else:
             weight_norms = update_norms = [nan] * len(present)
+        zeros = [nan] * len(present)
+        for order, slot in self._zero_slots:
+            for i, count in zip(order, batch[slot], strict=True):
+                zeros[i] = count / self._grads[i].numel()
         for i, (p, grad, norm) in enumerate(zip(present, self._grads, norms, strict=True)):
             weight, update = weight_norms[i], update_norms[i]
             if full or not math.isfinite(norm) or grad.is_sparse:
                 extra = batch[self._full_slots[i]] if full else None
                 records.append(param_record(step, p, _dense(grad), norm, extra,
-                                             (weight, update)))
+                                             (weight, update), zero=zeros[i]))
             else:  # the usual row, built inline: a large model has tens of thousands a step
                 records.append(new_row(Record, (
                     step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
-                    grad.numel(), norm, nan, nan, nan, nan, False, False, nan, 0, weight,
+                    grad.numel(), norm, nan, nan, nan, zeros[i], False, False, nan, 0, weight,
                     update, nan)))
 
     def missing(self, step: int, result: StepResult) -> None:

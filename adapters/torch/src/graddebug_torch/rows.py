@@ -41,10 +41,11 @@ def activation_row(step: int, key: Key, depth: int, first: Capture, numel: int, 
 
 def param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
                   extra: list[float] | None, weights: tuple[float, float],
-                  flags: tuple[bool, bool] | None = None) -> Record:
+                  flags: tuple[bool, bool] | None = None, zero: float = math.nan) -> Record:
     """A parameter's row. ``grad`` gives the shape and size (a sharded gradient's are those
     of the whole parameter); ``weights`` are its ``(weight_norm, update_norm)``; ``flags`` are
-    its ``(nan, inf)`` where the caller knows them."""
+    its ``(nan, inf)`` where the caller knows them; ``zero`` is its ``zero_frac`` (a 1-D
+    gradient's share of exact zeros; NaN for the others)."""
     nan, inf = flags if flags is not None else (False, False)
     if flags is None and not math.isfinite(norm):
         # Rare: a second sync, only for a gradient already known to be broken.
@@ -53,8 +54,8 @@ def param_record(step: int, p: ParamRow, grad: Tensor, norm: float,
     if extra is None:  # param_stats="norm": no mean, std or absmax to derive
         return tuple.__new__(Record, (
             step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape), grad.numel(),
-            norm, math.nan, math.nan, math.nan, math.nan, nan, inf and not nan, math.nan, 0,
+            norm, math.nan, math.nan, math.nan, zero, nan, inf and not nan, math.nan, 0,
             *weights, math.nan))
     return sums_record(step, p.layer, p.tensor, _PARAMETER, p.depth, shape_text(grad.shape),
-                       grad.numel(), norm, extra[0], extra[1], math.nan, nan, inf, math.nan, 0,
+                       grad.numel(), norm, extra[0], extra[1], zero, nan, inf, math.nan, 0,
                        *weights)

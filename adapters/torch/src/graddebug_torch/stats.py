@@ -14,7 +14,9 @@ gradients are measured when the step closes, their norms in one fused pass
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -36,6 +38,7 @@ __all__ = [
     "unit_extremes",
     "unit_summary",
     "whole_absmax",
+    "zero_counts",
 ]
 
 _BLAS = (torch.float32, torch.float64)
@@ -257,3 +260,21 @@ def sum_and_absmax(grad: Tensor) -> Tensor:
         return torch.tensor([0.0, -torch.inf], dtype=acc_dtype(grad), device=grad.device)
     low, high = torch.aminmax(grad)
     return stack_scalars([grad.sum(dtype=acc_dtype(grad)), torch.maximum(high, low.neg())])
+
+
+def zero_counts(vectors: Sequence[Tensor]) -> Tensor:
+    """How many entries of each of ``vectors`` (non-empty 1-D gradients on one device) are
+    exactly 0, as one float32 tensor: the units of a bias that got no gradient from the whole
+    batch. A fixed number of kernels for any number of vectors: one concatenation, one
+    comparison, one running count read at each vector's end."""
+    lengths = tuple(v.numel() for v in vectors)
+    flat = torch.cat(list(vectors)) if len(vectors) > 1 else vectors[0]
+    running = flat.detach().eq(0).cumsum(0, dtype=torch.float32)
+    at_ends = running[_ends(lengths, flat.device)]
+    return torch.diff(at_ends, prepend=at_ends.new_zeros(1))
+
+
+@functools.lru_cache(maxsize=64)
+def _ends(lengths: tuple[int, ...], device: torch.device) -> Tensor:
+    """The index of each vector's last entry in their concatenation (cached per layout)."""
+    return torch.tensor([end - 1 for end in accumulate(lengths)], device=device)
