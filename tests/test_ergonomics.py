@@ -109,6 +109,33 @@ def test_python_and_numpy_scalars_are_losses_too(make: Any) -> None:
     assert row["mean"].tolist() == pytest.approx([loss.item()], rel=1e-6)
 
 
+class CountedLoss:
+    """A loss that counts how often it is read (``float()``: a host transfer on a device)."""
+
+    reads = 0
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __float__(self) -> float:
+        CountedLoss.reads += 1
+        return self.value
+
+
+def test_the_loss_is_read_on_recorded_steps_only() -> None:
+    model = mlp()
+    CountedLoss.reads = 0
+    with graddebug.watch(model, every=5) as dbg:
+        for step, (x, y) in enumerate(data(12)):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            dbg.step(loss=CountedLoss(float(step)))
+            model.zero_grad()
+    assert CountedLoss.reads == 3  # steps 0, 5 and 10: a skipped step waits for no device
+    losses = dbg.frame().query("kind == 'loss'")
+    assert losses["step"].tolist() == [0, 5, 10]
+    assert losses["mean"].tolist() == [0.0, 5.0, 10.0]
+
+
 def test_a_loss_given_twice_is_refused() -> None:
     model = mlp()
     (x, y), = data(1)

@@ -213,14 +213,15 @@ class Steps:
         """Whether the adapter captured anything in the open step."""
         return self._adapter is not None and self._adapter.has_pending()
 
-    def by_user(self, grads: Sequence[Any] | None, loss: float | None = None
-                ) -> StepResult | None:
+    def by_user(self, grads: Sequence[Any] | None, loss: Any = None) -> StepResult | None:
         """``dbg.step(grads)``: close the open step, unless nothing arrived since the last
         ``dbg.step()`` (warned once) or the optimizer has closed it already (an error).
+        ``loss``, as the user gave it, is read (a host transfer) on a recorded step only.
 
         Raises:
             WatcherStateError: The optimizer given to ``watch(optimizer=...)`` has closed the
                 step already and nothing arrived since.
+            ConfigError: ``loss`` is not one number.
             FindingError: The step brought a finding of an issue in ``raise_on``.
         """
         # The adapter is asked whether anything arrived only where the answer matters: in
@@ -242,7 +243,8 @@ class Steps:
             ))
             return None
         bugs = len(self._buffer.internal)
-        result = self.close(grads, StepState.CLOSED_BY_USER, loss)
+        value = loss_value(loss, "step(loss=...)") if hooks.recording else None
+        result = self.close(grads, StepState.CLOSED_BY_USER, value)
         # A gap that a warning (a torch.func transform, a compiled model), an event (a cut
         # graph) or a bug of graddebug's (an internal_error) explains already is not
         # explained twice.
