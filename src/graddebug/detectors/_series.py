@@ -251,16 +251,27 @@ class Zeros:
         """The known step before the last one of a series (-1: none)."""
         return int(self._before[series])
 
-    def any_dead(self) -> bool:
-        """Whether some series is reported dead (until its fraction falls again)."""
-        return bool(self._dead.any())
+    def advance(self, step: int, ids: np.ndarray, zero: np.ndarray, top: float) -> bool:
+        """:meth:`take` where no unit can die at this step, which is then only remembered
+        (and a series reported dead whose fraction fell below ``fraction`` cleared); False,
+        and nothing taken, where one could: a fraction at or above ``fraction`` (``top``: the
+        largest) in a series not reported dead.
 
-    def advance(self, step: int, ids: np.ndarray, zero: np.ndarray) -> None:
-        """:meth:`take` where no series is reported dead and every fraction is below
-        ``fraction`` (none can die, none to clear): the step is only remembered."""
+        Args:
+            step: The step.
+            ids: The series measured at this step (no id twice).
+            zero: Their fractions (none NaN).
+            top: ``zero``'s largest.
+        """
+        dead = self._dead
+        if not top < self._fraction and not (dead[ids] | (zero < self._fraction)).all():
+            return False
+        if top >= self._fraction or dead.any():
+            dead[ids[zero < self._fraction]] = False
         self._before[ids] = self._step[ids]
         self._step[ids] = step
         self._zero[ids] = zero
+        return True
 
     def take(self, step: int, ids: np.ndarray, zero: np.ndarray, unique: bool) -> np.ndarray:
         """Add a step's zero fractions; returns the positions (in ``ids``) of the series

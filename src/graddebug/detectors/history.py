@@ -133,11 +133,11 @@ class History:
         half the smaller of its abrupt and sustained factors of its median (its move net of
         the step's common move, which moves at most as much, stays within the factor), and
         so every update/weight ratio; no weight norm moved by ``history_factor``, no ratio
-        at the stall floor, no zero fraction at ``dead_fraction``. Live, after a training
-        step has evicted numpy's code from the caches, each numpy function a step touches is
-        slow the first time: these checks touch some 15 of them, the full rules several times
-        as many, so that the quiet path more than halves ``History.observe`` (the Performance
-        page has the timings).
+        at the stall floor, no zero fraction at ``dead_fraction`` but in a layer reported
+        dead. Live, after a training step has evicted numpy's code from the caches, each numpy
+        function a step touches is slow the first time: these checks touch some 15 of them,
+        the full rules several times as many, so that the quiet path more than halves
+        ``History.observe`` (the Performance page has the timings).
         """
         t = self._t
         layout = self._layout
@@ -168,11 +168,10 @@ class History:
         # large outputs, while staged small ones are measured on every step).
         top = np.fmax.reduce(zero) if len(zero) else math.nan
         if top == top:
-            if not top < t.dead_fraction:
-                return False
             measured = zero == zero
-            self._zeros.advance(rows.step, layout.ids[layout.outputs][measured],
-                                zero[measured])
+            if not self._zeros.advance(rows.step, layout.ids[layout.outputs][measured],
+                                       zero[measured], top):
+                return False
         self._steps_seen += 1
         self._rings.push(slots, values)
         self._weights.push(weights, logs)
@@ -255,7 +254,8 @@ class History:
     def _is_calm(self, rows: StepRows) -> bool:
         """Whether a quiet step would change nothing but the baselines: the rings of the
         layout's tensors full (those the rules judge: ``history_numel`` entries or more), and
-        no excursion, streak, stalled or dead report, or global shift held."""
+        no excursion, streak, stalled report or global shift held (a layer reported dead
+        may stay so: :meth:`Zeros.advance` takes its steps as the full rules would)."""
         layout = self._layout
         big = rows.numel >= self._t.history_numel
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -266,8 +266,7 @@ class History:
         return (layout.unique and self._steps_seen >= self._t.history_min
                 and bool(layout.gradient.all()) and bool(layout.parameter.any())
                 and self._rings.full(judged) and self._streaks.idle()
-                and not self._frozen.any() and not self._zeros.any_dead()
-                and not self._events.shifted)
+                and not self._frozen.any() and not self._events.shifted)
 
     # -- jumps and collapses ----------------------------------------------------------------
 
