@@ -29,8 +29,8 @@ run's usual step.
 Run ``python benchmarks/step_cost.py`` (``--frameworks torch,jax``, ``--configs
 params,full,every``, ``--steps``, ``--warmup``, ``--json PATH``; the default JSON is
 ``benchmarks/results/step_cost.json``). With ``--profile`` it also runs ``cProfile`` over the
-timed steps of each configuration and prints the functions under ``dbg.step()`` that take the
-most time.
+``dbg.step()`` calls of the timed steps of each configuration (the times it prints are then
+the profiled ones) and prints the functions under it that take the most time.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class Probe:
         self._step = dbg.step
         self.every: int = dbg._options.every
         self.enabled = False
+        self.profile: cProfile.Profile | None = None
 
     def _wrap(self, owner: Any, name: str, piece: str) -> None:
         method = getattr(owner, name)
@@ -127,9 +128,13 @@ class Probe:
     def step(self) -> Any:
         """Call ``dbg.step()``, timing it and its pieces when enabled."""
         self._now.clear()
+        if self.profile is not None:
+            self.profile.enable()
         start = time.perf_counter_ns()
         result = self._step()
         total = time.perf_counter_ns() - start
+        if self.profile is not None:
+            self.profile.disable()
         if self.enabled:
             self.steps.append({**self._now, "total": total})
         return result
@@ -158,19 +163,20 @@ def summarize(framework: str, workload: str, config: str, steps: list[dict[str, 
 
 
 @contextmanager
-def profiled(enabled: bool, console: Console, title: str, top: int) -> Iterator[None]:
-    """cProfile the block when ``enabled``, then print its ``top`` functions by total time."""
+def profiled(probe: Probe, enabled: bool, console: Console, title: str, top: int
+             ) -> Iterator[None]:
+    """cProfile the ``dbg.step()`` calls of the block when ``enabled``, then print its ``top``
+    functions by their own time."""
     if not enabled:
         yield
         return
-    profile = cProfile.Profile()
-    profile.enable()
+    probe.profile = cProfile.Profile()
     try:
         yield
     finally:
-        profile.disable()
         text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+        pstats.Stats(probe.profile, stream=text).sort_stats("tottime").print_stats(top)
+        probe.profile = None
         console.print(f"[bold]{title}[/bold]")
         console.print(text.getvalue(), markup=False, highlight=False)
 
@@ -227,7 +233,7 @@ def _loop(one: Callable[[], None], probe: Probe, steps: int, warmup: int, profil
     for _ in range(warmup * probe.every):  # warmup recorded steps
         one()
     probe.enabled = True
-    with profiled(profile, console, title, top):
+    with profiled(probe, profile, console, title, top):
         for _ in range(steps):
             one()
     probe.enabled = False

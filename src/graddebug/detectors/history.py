@@ -143,25 +143,30 @@ class History:
         layout = self._layout
         params = layout.params
         norm, weight, update = rows.norm, rows.weight_norm[params], rows.update_norm[params]
-        # "not (x < y)": a NaN anywhere fails every check
-        if not (norm.min() > 0 and norm.max() < math.inf):
+        every = np.concatenate((norm, weight, update))
+        # "not (x < y)": a NaN anywhere fails every check. The usual step: every gradient and
+        # weight norm positive, every norm finite, in 4 calls where one check each took 7.
+        if _least(every[:len(norm) + len(weight)]) > 0 and _most(every) < math.inf:
+            low = _least(update)
+            whole, moving = low >= 0, low > 0
+        elif not (norm.min() > 0 and norm.max() < math.inf):
             return False  # no log below can warn: np.errstate alone cost 12 us
-        low = update.min()
-        if weight.min() > 0 and low >= 0 and max(weight.max(), update.max()) < math.inf \
-                and rows.numel.min() >= t.history_numel:
-            series = self._whole_series(norm, weight, update, low > 0)
+        else:
+            whole = moving = False  # a weight norm not sampled (NaN), 0 or infinite
+        if whole and rows.numel.min() >= t.history_numel:
+            series = self._whole_series(norm, weight, update, moving)
         else:
             series = self._some_series(rows, norm, weight, update)
         if series is None:
             return False
         slots, values, logs, weights, grads = series
         size = np.abs(values - self._rings.medians(slots))
-        if not (2 * size[:grads].max(initial=0.0) < self._quiet_grad
-                and 2 * size[grads:].max(initial=0.0) < self._quiet_ratio):
+        if not (2 * _most(size[:grads], initial=0.0) < self._quiet_grad
+                and 2 * _most(size[grads:], initial=0.0) < self._quiet_ratio):
             return False
         # NaN (a weight with fewer recorded steps than the window) fails the check too
-        if not np.abs(logs[:, None] - self._weights.held(weights)).max(initial=0.0) \
-                < math.log10(t.history_factor):
+        if not _most(np.abs(logs[:, None] - self._weights.held(weights)), axis=None,
+                     initial=0.0) < math.log10(t.history_factor):
             return False
         zero = rows.zero_frac[layout.outputs]
         # The fractions measured at this step (zero_frac is sampled: NaN on most steps for
@@ -196,7 +201,7 @@ class History:
             if not (self._all_full or self._rings.full(layout.slots)):
                 return None  # calm was judged on a step where some series were left out
             self._all_full = True
-            if not ratio.min() > t.stall_floor:
+            if not _least(ratio) > t.stall_floor:
                 return None
             slots = layout.slots
         else:
@@ -427,6 +432,10 @@ def graddebug_findings(evidence: Evidence, thresholds: Thresholds) -> list[Findi
         found += history.observe(StepRows.from_columns(int(step), columns,
                                                        np.asarray(groups[step]), kinds))
     return found
+
+
+_least, _most = np.minimum.reduce, np.maximum.reduce
+"""``a.min()`` and ``a.max()`` of a 1-d array without their Python layers."""
 
 
 def _where(mask: np.ndarray) -> np.ndarray:
