@@ -336,25 +336,25 @@ class Steps:
         step, recording = hooks.step, hooks.recording
         result = None
         try:
-            if adapter is not None:
-                with gc_paused():
-                    result = adapter.close_step(step, grads, record=recording)
-                    if recording:
-                        self._amend(result)
-                        if loss is not None:
-                            result.records.append(loss_record(step, loss))
-                            self._loss_step = step
-                        self._buffer.add(step, result)
-                        self._last_recorded = step
-                        self._judge(self._live.observe, step, result)
-                        result.diagnose = lambda: finding_frame(self._findings_of(step))
-                        self._pick_tier(result)
-                        self._judge(self._notice, step, result)
-                if recording and hooks.escalation is not None:
+            if adapter is not None and not recording:
+                adapter.close_step(step, grads, record=False)
+            elif adapter is not None:
+                with gc_paused():  # a recorded step builds its rows: many objects, no cycle
+                    result = adapter.close_step(step, grads, record=True)
+                    self._amend(result)
+                    if loss is not None:
+                        result.records.append(loss_record(step, loss))
+                        self._loss_step = step
+                    self._buffer.add(step, result)
+                    self._last_recorded = step
+                    self._judge(self._live.observe, step, result)
+                    result.diagnose = lambda: finding_frame(self._findings_of(step))
+                    self._pick_tier(result)
+                    self._judge(self._notice, step, result)
+                if hooks.escalation is not None:
                     self._escalate(result)
-                if recording:
-                    self.notify(self._pm.hook.graddebug_step_recorded, watcher=self._watcher,
-                                step=step, result=result)
+                self.notify(self._pm.hook.graddebug_step_recorded, watcher=self._watcher,
+                            step=step, result=result)
         finally:
             self._closed = by
         hooks.step += 1

@@ -155,6 +155,10 @@ class GradHooks:
         self._dicts.append(hooks)
         self._ids.append(key)
 
+    def __len__(self) -> int:
+        """The number of hooks registered this step."""
+        return len(self._ids) + len(self._handles)
+
     def remove(self) -> None:
         """Remove every hook this step registered."""
         for hooks, key in zip(self._dicts, self._ids, strict=True):
@@ -283,6 +287,13 @@ class StepCaptures:
     tap_requires_grad: bool = False
     touched: bool = False
     transformed: bool = False
+
+    def reusable(self) -> bool:
+        """Whether nothing but the flags was captured (a step that ``every=`` skipped with
+        the forward hooks parked): the next step can start from this one, flags cleared."""
+        return not (self.captures or self.repeats or self.expected or self.events or self.kept
+                    or self.received or self.covered or len(self.hooks) or len(self.forward)
+                    or len(self.inputs) or len(self.between))
 
     def add(self, key: Key, capture: Capture) -> int:
         """Add one call's capture of output ``key``; return how many came before it.

@@ -296,7 +296,10 @@ class LossScaling:
 
     def next_pass(self) -> None:
         """A step closed (recorded or not): what the scaler does next belongs to the next."""
-        self._pass = _Pass()
+        done = self._pass
+        if (done.scale is not None or done.found is not None or done.updated or done.unscaled
+                or done.unscaled_optimizers or done.self_unscaled):  # else: reused as it is
+            self._pass = _Pass()
 
     def _found(self) -> Tensor | None:
         """The scaler's combined Inf/NaN flag of the optimizers it checked so far, or None."""

@@ -114,8 +114,12 @@ class OutputWatch:
     def drop_step(self) -> None:
         """Forget the open step: its tensor hooks removed, its captures and staging dropped."""
         self._pause.resume()
-        self.state.hooks.remove()
-        self.state = self._new_step()
+        state = self.state
+        if state.reusable():  # a skipped step's: no object to build again
+            state.touched = state.transformed = state.tap_requires_grad = False
+        else:
+            state.hooks.remove()
+            self.state = self._new_step()
         if self.layouts is not None:
             self.layouts.clear()
         self.staging.clear()
