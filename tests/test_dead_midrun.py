@@ -160,3 +160,16 @@ def test_jax_units_that_die_mid_run_are_dead_within_3_steps() -> None:
     assert reference == pytest.approx(DEAD / WIDTH, abs=0.02)
     assert last.loc["bias", "zero_frac"] == pytest.approx(reference)
     assert np.isnan(last.loc["kernel", "zero_frac"])
+
+
+def test_torch_counts_the_non_zero_entries_of_every_dtype_exactly() -> None:
+    torch = pytest.importorskip("torch")
+    from graddebug_torch.stats import nonzero_counts
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=5000) * (rng.random(5000) < 0.3), np.zeros(3000),
+              np.array([0.0, np.nan, np.inf, -1e-30])]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        vectors = [torch.tensor(a).to(dtype) for a in arrays]
+        counts = nonzero_counts(vectors).tolist()
+        assert counts == [int(np.count_nonzero(v.double().numpy())) for v in vectors], dtype

@@ -32,11 +32,11 @@ from graddebug_torch.params import ParamRow
 from graddebug_torch.rows import activation_row, param_record
 from graddebug_torch.staging import GroupStats, SmallGrads, StagedGroup
 from graddebug_torch.stats import (
+    nonzero_counts,
     param_norms,
     stack_scalars,
     sum_and_absmax,
     unit_summary,
-    zero_counts,
 )
 from graddebug_torch.updates import UpdateWatch
 
@@ -308,7 +308,8 @@ class _Parameters:
         # entries are the units that got no gradient, counted on every recorded step
         self._vectors: dict[torch.device, list[int]] = {}
         for i, (p, g) in enumerate(zip(present, grads, strict=True)):
-            if g.dim() == 1 and not p.sharded and not g.is_sparse and g.numel():
+            if (g.dim() == 1 and g.numel() and g.is_floating_point() and not p.sharded
+                    and not g.is_sparse):
                 self._vectors.setdefault(g.device, []).append(i)
         self._zero_slots: list[tuple[list[int], slice]] = []
 
@@ -321,7 +322,7 @@ class _Parameters:
         if self._full:
             self._full_slots = {i: batch.add(sum_and_absmax(_dense(g)))
                                 for i, g in enumerate(self._grads)}
-        self._zero_slots = [(order, batch.add(zero_counts([self._grads[i] for i in order])))
+        self._zero_slots = [(order, batch.add(nonzero_counts([self._grads[i] for i in order])))
                             for order in self._vectors.values()]
         if self._weights is not None:
             self._weights.queue(batch)
@@ -342,7 +343,7 @@ class _Parameters:
         zeros = [nan] * len(present)
         for order, slot in self._zero_slots:
             for i, count in zip(order, batch[slot], strict=True):
-                zeros[i] = count / self._grads[i].numel()
+                zeros[i] = 1.0 - count / self._grads[i].numel()
         for i, (p, grad, norm) in enumerate(zip(present, self._grads, norms, strict=True)):
             weight, update = weight_norms[i], update_norms[i]
             if full or not math.isfinite(norm) or grad.is_sparse:

@@ -14,9 +14,7 @@ gradients are measured when the step closes, their norms in one fused pass
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -31,6 +29,7 @@ __all__ = [
     "acc_dtype",
     "apply_intervention",
     "finiteness",
+    "nonzero_counts",
     "param_norms",
     "square_sum",
     "stack_scalars",
@@ -38,7 +37,6 @@ __all__ = [
     "unit_extremes",
     "unit_summary",
     "whole_absmax",
-    "zero_counts",
 ]
 
 _BLAS = (torch.float32, torch.float64)
@@ -262,19 +260,12 @@ def sum_and_absmax(grad: Tensor) -> Tensor:
     return stack_scalars([grad.sum(dtype=acc_dtype(grad)), torch.maximum(high, low.neg())])
 
 
-def zero_counts(vectors: Sequence[Tensor]) -> Tensor:
-    """How many entries of each of ``vectors`` (non-empty 1-D gradients on one device) are
-    exactly 0, as one float32 tensor: the units of a bias that got no gradient from the whole
-    batch. A fixed number of kernels for any number of vectors: one concatenation, one
-    comparison, one running count read at each vector's end."""
-    lengths = tuple(v.numel() for v in vectors)
-    flat = torch.cat(list(vectors)) if len(vectors) > 1 else vectors[0]
-    running = flat.detach().eq(0).cumsum(0, dtype=torch.float32)
-    at_ends = running[_ends(lengths, flat.device)]
-    return torch.diff(at_ends, prepend=at_ends.new_zeros(1))
 
-
-@functools.lru_cache(maxsize=64)
-def _ends(lengths: tuple[int, ...], device: torch.device) -> Tensor:
-    """The index of each vector's last entry in their concatenation (cached per layout)."""
-    return torch.tensor([end - 1 for end in accumulate(lengths)], device=device)
+def nonzero_counts(vectors: Sequence[Tensor]) -> Tensor:
+    """How many entries of each of ``vectors`` (1-D gradients on one device) are not 0, as one
+    float32 tensor: a bias's zero entries are the units that got no gradient from the whole
+    batch. One ``_foreach_norm`` of order 0 (its count of non-zero entries) for them all, in
+    float32 (float64 where one is: the norm's dtype may only widen), exact to 2**24 entries."""
+    wide = any(v.dtype == torch.float64 for v in vectors)
+    dtype = torch.float64 if wide else torch.float32
+    return stack_scalars(torch._foreach_norm(list(vectors), 0, dtype=dtype))
