@@ -58,7 +58,7 @@ class _HostBatch:
         """Queue ``tensor``'s values; return where they will be read."""
         n = tensor.numel()
         slot = slice(self._size, self._size + n)
-        self._parts.append(tensor.reshape(-1))
+        self._parts.append(tensor if tensor.dim() == 1 else tensor.reshape(-1))
         self._size += n
         return slot
 
@@ -68,7 +68,7 @@ class _HostBatch:
         if not parts:
             return
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
-        flat = [p.to(dtype) for p in parts]
+        flat = [p if p.dtype == dtype else p.to(dtype) for p in parts]  # most are already
         devices = {p.device for p in flat}
         if len(devices) > 1:
             # Several devices: one transfer each, in the original order.
