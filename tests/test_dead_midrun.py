@@ -21,7 +21,7 @@ def data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.random.Generator]:
     return rng.normal(size=(512, 16)).astype("float32"), rng.integers(0, 4, 512), rng
 
 
-def check_dead(found, death: int) -> None:  # noqa: ANN001
+def check_dead(found, death: int) -> None:
     dead = found[found["issue"] == "dead"]
     assert len(dead), found
     assert death <= dead["step"].min() <= death + 2, found  # within 3 recorded steps
@@ -32,15 +32,16 @@ def check_dead(found, death: int) -> None:  # noqa: ANN001
 def test_torch_units_that_die_between_full_steps_are_dead_within_3_steps(
         death: int, full_every: int) -> None:
     torch = pytest.importorskip("torch")
-    import graddebug
     from torch import nn
+
+    import graddebug
 
     class Shift(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.register_buffer("offset", torch.zeros(WIDTH))
 
-        def forward(self, x):  # noqa: ANN001, ANN202
+        def forward(self, x):
             return x + self.offset
 
     torch.manual_seed(0)
@@ -77,11 +78,11 @@ def test_tf_units_that_die_between_full_steps_are_dead_within_3_steps() -> None:
     import graddebug
 
     class Shift(keras.layers.Layer):
-        def build(self, shape):  # noqa: ANN001, ANN202
+        def build(self, shape):
             self.offset = self.add_weight(shape=(shape[-1],), initializer="zeros",
                                           trainable=False)
 
-        def call(self, x):  # noqa: ANN001, ANN202
+        def call(self, x):
             return x + self.offset
 
     keras.utils.set_random_seed(0)
@@ -101,7 +102,7 @@ def test_tf_units_that_die_between_full_steps_are_dead_within_3_steps() -> None:
             with tf.GradientTape() as tape:
                 loss = loss_fn(y_all[i], model(x_all[i], training=True))
             grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             dbg.step(grads, loss=loss)
     check_dead(dbg.findings(), death)
     frame = dbg.frame()
@@ -129,17 +130,17 @@ def test_jax_units_that_die_mid_run_are_dead_within_3_steps() -> None:
             self.out = nnx.Linear(WIDTH, 4, rngs=rngs)
             self.offset = nnx.Variable(jnp.zeros(WIDTH))
 
-        def __call__(self, x):  # noqa: ANN001, ANN204
+        def __call__(self, x):
             return self.out(jax.nn.relu(self.fc(x) + self.offset[...]))
 
-    def loss_of(model: Model, x, y):  # noqa: ANN001, ANN202
+    def loss_of(model: Model, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
     model = Model(nnx.Rngs(0))
     opt = nnx.Optimizer(model, graddebug_jax.monitor(optax.sgd(0.01)), wrt=nnx.Param)
 
     @nnx.jit
-    def train(model: Model, opt: nnx.Optimizer, x, y):  # noqa: ANN001, ANN202
+    def train(model: Model, opt: nnx.Optimizer, x, y):
         loss, grads = nnx.value_and_grad(loss_of)(model, x, y)
         opt.update(model, grads)
         return loss, grads
