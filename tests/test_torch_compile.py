@@ -81,8 +81,18 @@ def assert_same_frame(eager: pd.DataFrame, compiled: pd.DataFrame) -> None:
     a = eager.sort_values(KEY).reset_index(drop=True)
     b = compiled.sort_values(KEY).reset_index(drop=True)
     pd.testing.assert_frame_equal(a[KEY + EXACT], b[KEY + EXACT])
-    for column in ("norm", "std", "absmax", "zero_frac"):
+    for column in ("norm", "std", "absmax"):
         np.testing.assert_allclose(b[column], a[column], rtol=1e-5, err_msg=column)
+    outputs = a["kind"] != "parameter"
+    np.testing.assert_allclose(b["zero_frac"][outputs], a["zero_frac"][outputs], rtol=1e-5)
+    # A 1-D parameter's zero_frac counts its gradient's exact zeros. Where that gradient is
+    # float noise (an attention key's bias: the softmax ignores a shift), another kernel's
+    # summation order makes a few other entries come out exactly 0 (the tiny transformer's
+    # in_proj_bias: 2 of its 16 key entries in eager, none compiled).
+    params = ~outputs
+    assert (a["zero_frac"][params].isna() == b["zero_frac"][params].isna()).all()
+    slack = 4.0 / a["numel"][params]
+    assert ((b["zero_frac"][params] - a["zero_frac"][params]).abs().fillna(0) <= slack).all()
     # A mean near zero cancels: judge it on the scale of the entries (their rms).
     rms = a["norm"] / np.sqrt(a["numel"])
     assert (np.abs(b["mean"] - a["mean"]).fillna(0) <= 1e-5 * rms + 1e-12).all()
