@@ -43,7 +43,7 @@ class HookSide:
 
     def __init__(self, watcher: CallbackContext, buffer: RunBuffer, *, every: int,
                  full_stats_every: int, escalation: Escalation | None, ops: bool,
-                 strict: bool, dead_fraction: float = 0.7) -> None:
+                 strict: bool, dead_fraction: float) -> None:
         self._watcher = watcher
         self._buffer = buffer
         self.every = every

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 from graddebug.adapter import StepResult
+from graddebug.config import Thresholds
 from graddebug.records import Kind
 
 __all__ = ["JUMP", "StatTiers"]
@@ -47,7 +48,8 @@ class StatTiers:
             (:attr:`~graddebug.config.Thresholds.dead_fraction`).
     """
 
-    def __init__(self, every: int, full_every: int, dead_fraction: float = 0.7) -> None:
+    def __init__(self, every: int, full_every: int,
+                 dead_fraction: float = Thresholds.dead_fraction) -> None:
         self.full_every = 1 if every > 1 else full_every
         self._dead = dead_fraction
         self._armed = False
@@ -67,7 +69,7 @@ class StatTiers:
         full = self.full(step)
         armed = unusual = False
         for r in result.records:
-            kind, zero = r.kind, r.zero_frac
+            zero = r.zero_frac
             if zero == zero:  # measured: a 1-D parameter's always, an output's on full steps
                 key = (r.layer, r.tensor)
                 if zero < dead:
@@ -75,14 +77,14 @@ class StatTiers:
                 elif key not in zeroed:
                     zeroed.add(key)
                     armed = True
-            if kind != _ACTIVATION or full or unusual:
+            if r.kind != _ACTIVATION:
                 continue
             norm = r.norm
-            before = reference.get((r.layer, r.tensor))
-            unusual = not math.isfinite(norm) or (before is not None and (
-                norm > JUMP * before or before > JUMP * norm))
-        if full:
-            for r in result.records:
-                if r.kind == _ACTIVATION and math.isfinite(r.norm):
-                    reference[(r.layer, r.tensor)] = r.norm
+            if full:  # the reference of the sentinels to come
+                if math.isfinite(norm):
+                    reference[(r.layer, r.tensor)] = norm
+            elif not unusual:
+                before = reference.get((r.layer, r.tensor))
+                unusual = not math.isfinite(norm) or (before is not None and (
+                    norm > JUMP * before or before > JUMP * norm))
         self._armed = armed or unusual
